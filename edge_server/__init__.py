@@ -1,0 +1,1 @@
+"""The edge server: batches observations from many streams and runs the policy."""

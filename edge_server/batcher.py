@@ -1,0 +1,303 @@
+"""One dynamic batcher across all streams.
+
+Requests (one per client message, each a block of observation rows) wait in a
+bounded FIFO queue. A batch is dispatched when
+
+1. it is full (``max_batch_size`` rows), or
+2. every open stream already has a request waiting (nobody else is about to
+   send: waiting longer only adds latency), or
+3. the oldest waiting request has waited ``max_delay_us`` (Triton / Ray Serve
+   semantics: the delay counts from the oldest request, not from the batch).
+
+Rule 2 matters: a batcher that always waits for the delay adds it to every
+round trip when few streams are connected. The forward pass runs on one
+dedicated thread, never on the event loop; while it runs the next batch
+forms. A request that does not fit in the queue is refused at once
+(:class:`QueueFullError`), never queued without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import numpy as np
+
+from edgerl.edge_server.policy import PolicyBackend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class QueueFullError(Exception):
+    """The batcher queue cannot take the request's rows."""
+
+
+class TooManyInflightError(Exception):
+    """A stream sent more requests than the ``max_inflight`` it declared."""
+
+
+class BatcherClosedError(Exception):
+    """The batcher is draining or stopped and takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """One request's share of a batch."""
+
+    actions: np.ndarray
+    log_probs: np.ndarray
+    policy_version: int
+    queue_wait_us: int
+    inference_us: int
+    batch_rows: int
+
+
+@dataclass(slots=True)
+class StreamSlots:
+    """Accounting of one open stream (see dispatch rule 2)."""
+
+    max_inflight: int
+    """Most requests the stream may have outstanding (queued or being computed)."""
+    outstanding: int = 0
+    queued: int = 0
+    open: bool = True
+
+
+@dataclass(slots=True)
+class _Request:
+    obs: np.ndarray
+    slots: StreamSlots | None
+    future: asyncio.Future[BatchResult]
+    enqueued_ns: int
+
+
+@dataclass
+class BatcherStats:
+    """Counters since start, plus recent samples for percentiles."""
+
+    requests: int = 0
+    batches: int = 0
+    rows: int = 0
+    max_batch_rows: int = 0
+    rejected_queue_full: int = 0
+    queue_wait_us: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
+    inference_us: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
+    batch_rows: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
+
+
+def percentile(samples: collections.deque[int] | list[int], q: float) -> int:
+    """The ``q``-th percentile (0-100) of integer samples, 0 when empty."""
+    return int(np.percentile(np.fromiter(samples, dtype=np.int64), q)) if samples else 0
+
+
+class DynamicBatcher:
+    """Gathers requests from all streams into forward passes of one backend."""
+
+    def __init__(
+        self,
+        backend: PolicyBackend,
+        *,
+        max_batch_size: int,
+        max_delay_us: int,
+        max_queue_rows: int,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_delay_us < 0:
+            raise ValueError(f"max_delay_us must be >= 0, got {max_delay_us}")
+        if max_queue_rows < max_batch_size:
+            raise ValueError(
+                f"max_queue_rows ({max_queue_rows}) must be >= max_batch_size ({max_batch_size})"
+            )
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.max_delay_ns = max_delay_us * 1000
+        self.max_queue_rows = max_queue_rows
+        self.stats = BatcherStats()
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._queued_rows = 0
+        self._open_streams = 0
+        self._streams_waiting = 0
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerl-infer")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the dispatch task on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="edgerl-batcher")
+
+    async def close(self) -> None:
+        """Refuse new requests, finish every queued one, stop the inference thread."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- streams -----------------------------------------------------------------------------
+    def open_stream(self, max_inflight: int) -> StreamSlots:
+        """Register a stream that keeps up to ``max_inflight`` requests outstanding."""
+        self._open_streams += 1
+        return StreamSlots(max(1, max_inflight))
+
+    def close_stream(self, slots: StreamSlots) -> None:
+        """Forget a stream; its outstanding requests still complete."""
+        if slots.open:
+            slots.open = False
+            self._open_streams -= 1
+            if slots.queued:
+                self._streams_waiting -= 1
+            self._wake.set()
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, obs: np.ndarray, slots: StreamSlots | None = None) -> asyncio.Future[BatchResult]:
+        """Queue a block of observation rows; the future resolves with its actions.
+
+        Raises:
+            BatcherClosedError: the batcher is draining.
+            QueueFullError: the queue cannot take ``len(obs)`` more rows.
+            TooManyInflightError: the stream already has ``max_inflight`` requests outstanding.
+        """
+        if self._closing:
+            raise BatcherClosedError("the server is shutting down")
+        if slots is not None and slots.outstanding >= slots.max_inflight:
+            raise TooManyInflightError(
+                f"step: {slots.outstanding} requests already unanswered, the stream declared "
+                f"max_inflight={slots.max_inflight}"
+            )
+        rows = obs.shape[0]
+        if self._queued_rows + rows > self.max_queue_rows:
+            self.stats.rejected_queue_full += 1
+            raise QueueFullError(
+                f"batcher queue full: {self._queued_rows} of {self.max_queue_rows} rows waiting, "
+                f"request has {rows}"
+            )
+        future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
+        if slots is not None:
+            slots.outstanding += 1
+            slots.queued += 1
+            if slots.queued == 1 and slots.open:
+                self._streams_waiting += 1
+        self._queue.append(_Request(obs, slots, future, time.monotonic_ns()))
+        self._queued_rows += rows
+        self._wake.set()
+        return future
+
+    async def run_exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the inference thread between two batches (e.g. a weight swap)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def _ready(self, now_ns: int) -> bool:
+        return (
+            self._closing
+            or self._queued_rows >= self.max_batch_size
+            or self._streams_waiting >= self._open_streams
+            or now_ns - self._queue[0].enqueued_ns >= self.max_delay_ns
+        )
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = time.monotonic_ns()
+            if self._ready(now):
+                await self._dispatch(self._take(), now)
+                continue
+            self._wake.clear()
+            remaining_s = (self._queue[0].enqueued_ns + self.max_delay_ns - now) / 1e9
+            try:
+                async with asyncio.timeout(remaining_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    def _take(self) -> list[_Request]:
+        batch = [self._queue.popleft()]
+        rows = batch[0].obs.shape[0]
+        while self._queue and rows + self._queue[0].obs.shape[0] <= self.max_batch_size:
+            req = self._queue.popleft()
+            rows += req.obs.shape[0]
+            batch.append(req)
+        self._queued_rows -= rows
+        for req in batch:
+            slots = req.slots
+            if slots is not None:
+                slots.queued -= 1
+                if slots.queued == 0 and slots.open:
+                    self._streams_waiting -= 1
+        return batch
+
+    def _infer(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        start = time.perf_counter_ns()
+        version = self.backend.version
+        result = self.backend.infer(obs)
+        return result.actions, result.log_probs, version, (time.perf_counter_ns() - start) // 1000
+
+    async def _dispatch(self, batch: list[_Request], now_ns: int) -> None:
+        obs = np.concatenate([r.obs for r in batch]) if len(batch) > 1 else np.array(batch[0].obs)
+        rows = obs.shape[0]
+        loop = asyncio.get_running_loop()
+        try:
+            actions, log_probs, version, inference_us = await loop.run_in_executor(
+                self._executor, self._infer, obs
+            )
+        except Exception as exc:
+            log.exception("policy forward pass failed on a batch of %d rows", rows)
+            for req in batch:
+                self._finish(req)
+                if not req.future.done():
+                    req.future.set_exception(exc)
+            return
+        st = self.stats
+        st.batches += 1
+        st.rows += rows
+        st.requests += len(batch)
+        st.max_batch_rows = max(st.max_batch_rows, rows)
+        st.inference_us.append(inference_us)
+        st.batch_rows.append(rows)
+        offset = 0
+        for req in batch:
+            n = req.obs.shape[0]
+            wait_us = (now_ns - req.enqueued_ns) // 1000
+            st.queue_wait_us.append(wait_us)
+            self._finish(req)
+            if not req.future.done():
+                req.future.set_result(
+                    BatchResult(
+                        actions[offset : offset + n],
+                        log_probs[offset : offset + n],
+                        version,
+                        wait_us,
+                        inference_us,
+                        rows,
+                    )
+                )
+            offset += n
+
+    @staticmethod
+    def _finish(req: _Request) -> None:
+        if req.slots is not None:
+            req.slots.outstanding -= 1

@@ -1,0 +1,189 @@
+"""Assembling and running the edge server (grpc.aio, one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from importlib import metadata
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.policy import PolicyBackend
+from edgerl.edge_server.service import EdgePolicyServicer
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EdgePolicy"].full_name
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Edge server settings."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Loopback by default; use 0.0.0.0 to accept remote clients."""
+    port: int = 50051
+    """TCP port; 0 picks a free one (read it back from ``EdgeServer.port``)."""
+    max_batch_size: int = 256
+    """Most observation rows in one forward pass."""
+    max_delay_us: int = 2000
+    """Longest the oldest queued request waits for a fuller batch (microseconds)."""
+    max_queue_rows: int = 4096
+    """Most observation rows waiting at once; a request beyond it gets RESOURCE_EXHAUSTED."""
+    max_message_bytes: int = 4 * 1024 * 1024
+    """Largest message accepted or sent (bytes); beyond it RESOURCE_EXHAUSTED."""
+    max_envs_per_stream: int = 1024
+    """Most envs one stream may declare."""
+    grace_s: float = 5.0
+    """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_delay_us < 0:
+            raise ValueError(f"max_delay_us must be >= 0, got {self.max_delay_us}")
+        if self.max_queue_rows < self.max_batch_size:
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size ({self.max_batch_size})"
+            )
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_envs_per_stream < 1:
+            raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("edgerl")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class EdgeServer:
+    """A running edge server: EdgePolicy, health and reflection on one port."""
+
+    def __init__(
+        self,
+        backend: PolicyBackend,
+        config: ServerConfig | None = None,
+        *,
+        env_name: str = "",
+        obs_low: np.ndarray | None = None,
+        obs_high: np.ndarray | None = None,
+    ) -> None:
+        self.config = cfg = config or ServerConfig()
+        self.backend = backend
+        self.batcher = DynamicBatcher(
+            backend,
+            max_batch_size=cfg.max_batch_size,
+            max_delay_us=cfg.max_delay_us,
+            max_queue_rows=cfg.max_queue_rows,
+        )
+        limits = pb.ServerLimits(
+            max_batch_size=cfg.max_batch_size,
+            max_delay_us=cfg.max_delay_us,
+            max_queue_rows=cfg.max_queue_rows,
+            max_message_bytes=cfg.max_message_bytes,
+            max_envs_per_stream=cfg.max_envs_per_stream,
+        )
+        self.servicer = EdgePolicyServicer(
+            self.batcher,
+            backend,
+            env_name=env_name,
+            limits=limits,
+            obs_low=obs_low,
+            obs_high=obs_high,
+            server_version=package_version(),
+        )
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind, start serving, return the bound port."""
+        cfg = self.config
+        if cfg.host not in LOOPBACK_HOSTS:
+            log.warning(
+                "binding %s without TLS: anyone who can reach this address can drive the policy", cfg.host
+            )
+        await asyncio.get_running_loop().run_in_executor(None, self.backend.warmup)
+        self.batcher.start()
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
+        self.port = server.add_insecure_port(f"{host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{cfg.port}")
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "edge server on %s (backend %s, version %d)",
+            self.address,
+            self.backend.name,
+            self.backend.version,
+        )
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful shutdown: in-flight batches finish, new requests get UNAVAILABLE."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        grace = self.config.grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        await self.batcher.close()
+        await server.stop(grace)
+        log.info("edge server on %s stopped", self.address)
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve_until_signal(server: EdgeServer, on_ready: asyncio.Future[int] | None = None) -> None:
+    """Start ``server``, run until SIGINT/SIGTERM, then shut it down gracefully."""
+    port = await server.start()
+    if on_ready is not None:
+        on_ready.set_result(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()

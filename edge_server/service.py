@@ -1,0 +1,214 @@
+"""The ``edgerl.v1.EdgePolicy`` servicer: streams in, batcher, actions out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from edgerl.edge_server.batcher import (
+    BatcherClosedError,
+    BatchResult,
+    DynamicBatcher,
+    QueueFullError,
+    TooManyInflightError,
+    percentile,
+)
+from edgerl.edge_server.policy import PolicyBackend
+from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+_FLOAT32 = pb.FLOAT32
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    seq: int
+    env_ids: list[int]
+    future: asyncio.Future[BatchResult]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    code: grpc.StatusCode
+    message: str
+
+
+_END = None
+
+
+def _box(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> pb.BoxSpace:
+    return pb.BoxSpace(shape=shape, dtype=_FLOAT32, low=low.ravel().tolist(), high=high.ravel().tolist())
+
+
+def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
+    actions = res.actions
+    return pb.ActResponse(
+        seq=seq,
+        env_ids=env_ids,
+        actions=pb.Tensor(dtype=_FLOAT32, shape=actions.shape, data=actions.tobytes()),
+        log_probs=res.log_probs.tolist(),
+        policy_version=res.policy_version,
+        queue_wait_us=res.queue_wait_us,
+        inference_us=res.inference_us,
+        batch_rows=res.batch_rows,
+    )
+
+
+class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
+    """Validates client messages, feeds the batcher, answers in request order."""
+
+    def __init__(
+        self,
+        batcher: DynamicBatcher,
+        backend: PolicyBackend,
+        *,
+        env_name: str,
+        limits: pb.ServerLimits,
+        obs_low: np.ndarray | None = None,
+        obs_high: np.ndarray | None = None,
+        server_version: str = "",
+    ) -> None:
+        self.batcher = batcher
+        self.backend = backend
+        self.env_name = env_name
+        self.limits = limits
+        self.server_version = server_version
+        self.obs_shape = backend.obs_shape
+        self.rejected_invalid = 0
+        self.active_streams = 0
+        self._obs_low = obs_low if obs_low is not None else np.full(self.obs_shape, -np.inf, np.float32)
+        self._obs_high = obs_high if obs_high is not None else np.full(self.obs_shape, np.inf, np.float32)
+
+    # -- Act (bidirectional stream) ------------------------------------------------------------
+    async def Act(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.ActRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ActResponse]:
+        pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
+        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending))
+        self.active_streams += 1
+        try:
+            while True:
+                item = await pending.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Abort):
+                    await context.abort(item.code, item.message)
+                    return
+                try:
+                    res = await item.future
+                except Exception as exc:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}")
+                    return
+                yield _response(item.seq, item.env_ids, res)
+        finally:
+            self.active_streams -= 1
+            reader.cancel()
+
+    async def _read_stream(
+        self, requests: AsyncIterator[pb.ActRequest], out: asyncio.Queue[_Pending | _Abort | None]
+    ) -> None:
+        spec: StreamSpec | None = None
+        slots = None
+        seq = 0
+        try:
+            async for req in requests:
+                if self.batcher.closing:
+                    out.put_nowait(_Abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+                    return
+                kind = req.WhichOneof("kind")
+                if spec is None:
+                    if kind != "hello":
+                        raise InvalidRequestError(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{kind or 'request'}: the first message of an Act stream must be a StreamHello",
+                        )
+                    spec = check_hello(req.hello, self.obs_shape, self.limits.max_envs_per_stream)
+                    slots = self.batcher.open_stream(spec.max_inflight)
+                    log.info("stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
+                    continue
+                if kind != "step":
+                    raise InvalidRequestError(
+                        grpc.StatusCode.FAILED_PRECONDITION, "hello: sent twice on one stream"
+                    )
+                obs, env_ids = check_step(req.step, spec, seq, self.obs_shape, self.limits.max_batch_size)
+                future = self.batcher.submit(obs, slots)
+                out.put_nowait(_Pending(seq, env_ids, future))
+                seq += 1
+            out.put_nowait(_END)
+        except InvalidRequestError as exc:
+            self.rejected_invalid += 1
+            log.warning("stream %s rejected: %s", spec.session_id if spec else "?", exc.message)
+            out.put_nowait(_Abort(exc.code, exc.message))
+        except QueueFullError as exc:
+            out.put_nowait(_Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
+        except TooManyInflightError as exc:
+            self.rejected_invalid += 1
+            out.put_nowait(_Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)))
+        except BatcherClosedError as exc:
+            out.put_nowait(_Abort(grpc.StatusCode.UNAVAILABLE, str(exc)))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            # The transport ended the stream (e.g. an oversized message); the handler ends with it.
+            log.info("stream %s ended by transport: %s", spec.session_id if spec else "?", exc.code())
+            out.put_nowait(_END)
+        finally:
+            if slots is not None:
+                self.batcher.close_stream(slots)
+
+    # -- unary RPCs --------------------------------------------------------------------------------
+    async def ActUnary(  # noqa: N802
+        self, request: pb.ActUnaryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ActResponse:
+        try:
+            obs = check_obs(request.obs, "obs", self.obs_shape, None, self.limits.max_batch_size)
+            future = self.batcher.submit(obs)
+        except InvalidRequestError as exc:
+            self.rejected_invalid += 1
+            await context.abort(exc.code, exc.message)
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BatcherClosedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        res = await future
+        return _response(0, list(range(obs.shape[0])), res)
+
+    async def Describe(  # noqa: N802
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        b = self.backend
+        return pb.DescribeResponse(
+            observation_space=_box(self.obs_shape, self._obs_low, self._obs_high),
+            action_space=_box(b.act_shape, b.act_low, b.act_high),
+            policy_version=b.version,
+            limits=self.limits,
+            backend=b.name,
+            env_name=self.env_name,
+            server_version=self.server_version,
+        )
+
+    async def Stats(  # noqa: N802
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        st = self.batcher.stats
+        return pb.StatsResponse(
+            requests=st.requests,
+            batches=st.batches,
+            rows=st.rows,
+            max_batch_rows=st.max_batch_rows,
+            rejected_queue_full=st.rejected_queue_full,
+            rejected_invalid=self.rejected_invalid,
+            active_streams=self.active_streams,
+            queue_wait_us_p50=percentile(st.queue_wait_us, 50),
+            queue_wait_us_p99=percentile(st.queue_wait_us, 99),
+            inference_us_p50=percentile(st.inference_us, 50),
+            inference_us_p99=percentile(st.inference_us, 99),
+            policy_version=self.backend.version,
+        )

@@ -1,0 +1,97 @@
+"""Checks on client messages. Each failure names the field and a gRPC code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+
+MAX_SESSION_ID_LEN = 128
+
+
+class InvalidRequestError(Exception):
+    """A client message the server refuses; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> InvalidRequestError:
+    return InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a StreamHello declared, after validation."""
+
+    session_id: str
+    env_name: str
+    num_envs: int
+    max_inflight: int
+
+
+def check_hello(hello: pb.StreamHello, obs_shape: tuple[int, ...], max_envs: int) -> StreamSpec:
+    """Validate the first message of a stream."""
+    sid = hello.session_id
+    if not 1 <= len(sid) <= MAX_SESSION_ID_LEN or not sid.isprintable():
+        raise _invalid(f"hello.session_id: need 1-{MAX_SESSION_ID_LEN} printable characters, got {sid!r}")
+    if not 1 <= hello.num_envs <= max_envs:
+        raise _invalid(f"hello.num_envs: must be in [1, {max_envs}], got {hello.num_envs}")
+    if tuple(hello.obs_shape) != obs_shape:
+        raise _invalid(f"hello.obs_shape: server serves {list(obs_shape)}, got {list(hello.obs_shape)}")
+    if hello.max_inflight > hello.num_envs:
+        raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
+    return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight))
+
+
+def check_obs(
+    msg: pb.Tensor, field: str, obs_shape: tuple[int, ...], rows: int | None, max_rows: int
+) -> np.ndarray:
+    """Decode an observation tensor: FLOAT32, ``[rows, *obs_shape]``, finite."""
+    if msg.dtype != pb.FLOAT32:
+        raise _invalid(f"{field}.dtype: expected FLOAT32, got {tensors.dtype_name(msg.dtype)}")
+    try:
+        obs = tensors.decode(msg, field)
+    except tensors.TensorError as exc:
+        raise _invalid(str(exc)) from None
+    n = rows if rows is not None else (obs.shape[0] if obs.ndim else 0)
+    if obs.shape != (n, *obs_shape):
+        what = "one row per env id" if rows is not None else "[n, *obs_shape]"
+        raise _invalid(f"{field}.shape: expected {[n, *obs_shape]} ({what}), got {list(obs.shape)}")
+    if not 1 <= n <= max_rows:
+        raise _invalid(f"{field}.shape: rows must be in [1, {max_rows}], got {n}")
+    if not np.isfinite(obs).all():
+        bad = int(np.argwhere(~np.isfinite(obs))[0][0])
+        raise _invalid(f"{field}: row {bad} contains NaN or Inf")
+    result: np.ndarray = obs
+    return result
+
+
+def check_step(
+    step: pb.StepObservation, spec: StreamSpec, expected_seq: int, obs_shape: tuple[int, ...], max_rows: int
+) -> tuple[np.ndarray, list[int]]:
+    """Validate one StepObservation; returns the observations and env ids."""
+    if step.seq != expected_seq:
+        raise _invalid(f"step.seq: expected {expected_seq}, got {step.seq}")
+    env_ids = list(step.env_ids)
+    n = len(env_ids)
+    if not 1 <= n <= max_rows:
+        raise _invalid(f"step.env_ids: need 1 to {max_rows} env ids (max_batch_size), got {n}")
+    if max(env_ids) >= spec.num_envs:
+        raise _invalid(f"step.env_ids: ids must be < num_envs ({spec.num_envs}), got {max(env_ids)}")
+    if len(set(env_ids)) != n:
+        raise _invalid("step.env_ids: duplicate env id")
+    for name in ("rewards", "terminated", "truncated"):
+        got = len(getattr(step, name))
+        if got != n:
+            raise _invalid(f"step.{name}: expected {n} values (one per env id), got {got}")
+    obs = check_obs(step.obs, "step.obs", obs_shape, n, max_rows)
+    if not np.isfinite(np.asarray(step.rewards, dtype=np.float32)).all():
+        raise _invalid("step.rewards: contains NaN or Inf")
+    return obs, env_ids

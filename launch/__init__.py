@@ -1,0 +1,1 @@
+"""Entry points: the ``edgerl`` CLI and the process launchers behind it."""

@@ -1,0 +1,239 @@
+"""``edgerl bench throughput``: three designs side by side, same env, policy and env count.
+
+- ``sync_inprocess``: one SyncVectorEnv + a batched forward pass in one process, no RPC.
+- ``sync_unary``: one unary RPC per env per step, waiting for each answer (the naive design).
+- ``async_stream``: the edge server + double-buffered streaming sim workers.
+
+Modes run one after another, ``--repeats`` times interleaved; the JSON gives
+each mode's median env steps/s, every run, and the ratios of the medians.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from edgerl.edge_server.server import ServerConfig
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.robot_client.sim_worker import SimWorkerConfig
+
+MODES = ("sync_inprocess", "sync_unary", "async_stream")
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    """Settings of one throughput benchmark."""
+
+    env: str = "HalfCheetah-v5"
+    """Gymnasium id."""
+    envs: int = 64
+    """Envs in every mode."""
+    seconds: float = 10.0
+    """Measured time per mode and repeat, after warm-up (seconds)."""
+    warmup_s: float = 2.0
+    """Unmeasured time before each measurement (seconds)."""
+    policy: str = "mlp"
+    """Policy preset: mlp or mlp-large."""
+    workers: int = 2
+    """Sim worker processes in async_stream."""
+    groups: int = 2
+    """Env groups per worker in async_stream (2 = double-buffered)."""
+    repeats: int = 1
+    """Interleaved repeats of all modes; medians are reported."""
+    max_delay_us: int = 2000
+    """Edge server batching delay (microseconds)."""
+    torch_threads: int = 1
+    """Torch threads for inference, in-process and in the server alike."""
+    seed: int = 0
+    """Seed of envs and weights."""
+
+    def __post_init__(self) -> None:
+        if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
+            raise ValueError("need envs >= 1, seconds > 0, repeats >= 1, warmup_s >= 0")
+
+
+def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
+    """Env steps/s of repeated ``step()`` calls (each returns steps taken)."""
+    end_warm = time.perf_counter() + warmup_s
+    while time.perf_counter() < end_warm:
+        step()
+    steps, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        steps += step()
+    return steps / elapsed
+
+
+def run_sync_inprocess(cfg: ThroughputConfig) -> float:
+    import torch
+
+    from edgerl.edge_server.models import build_policy
+    from edgerl.edge_server.policy import TorchPolicyBackend
+    from edgerl.sim.envs import env_spec, make_vector_env
+
+    torch.set_num_threads(cfg.torch_threads)
+    spec = env_spec(cfg.env)
+    backend = TorchPolicyBackend(
+        build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], cfg.seed),
+        spec.act_low,
+        spec.act_high,
+    )
+    envs, obs = make_vector_env(cfg.env, cfg.envs, cfg.seed)
+    state = {"obs": obs}
+
+    def step() -> int:
+        actions = np.clip(backend.infer(state["obs"]).actions, spec.act_low, spec.act_high)
+        state["obs"] = np.asarray(envs.step(actions)[0], dtype=np.float32)
+        return cfg.envs
+
+    try:
+        return _timed(step, cfg.warmup_s, cfg.seconds)
+    finally:
+        envs.close()
+
+
+def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
+    import gymnasium as gym
+
+    from edgerl.robot_client.client import EdgeClient
+    from edgerl.sim.envs import quiet_mujoco_warnings
+
+    quiet_mujoco_warnings()
+    envs = [gym.make(cfg.env) for _ in range(cfg.envs)]
+    obs = [np.asarray(e.reset(seed=cfg.seed + i)[0], np.float32) for i, e in enumerate(envs)]
+
+    async def main() -> float:
+        async with EdgeClient(address) as client:
+            info = await client.describe()
+
+            async def step() -> int:
+                for i, env in enumerate(envs):
+                    res = await client.act(obs[i][None])
+                    o, _, term, trunc, _ = env.step(np.clip(res.actions[0], info.act_low, info.act_high))
+                    obs[i] = np.asarray(env.reset()[0] if term or trunc else o, np.float32)
+                return cfg.envs
+
+            t_warm = time.perf_counter() + cfg.warmup_s
+            while time.perf_counter() < t_warm:
+                await step()
+            steps, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < cfg.seconds:
+                steps += await step()
+            return steps / elapsed
+
+    try:
+        return float(asyncio.run(main()))
+    finally:
+        for e in envs:
+            e.close()
+
+
+def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
+    fleet = WorkerFleet(
+        SimWorkerConfig(
+            server=address,
+            env_name=cfg.env,
+            num_envs=cfg.envs,
+            groups=cfg.groups,
+            seed=cfg.seed,
+            session_id="bench",
+        ),
+        cfg.workers,
+    )
+    with fleet:
+        fleet.wait_started()
+        time.sleep(cfg.warmup_s)
+        s0, t0 = fleet.total_steps(), time.perf_counter()
+        time.sleep(cfg.seconds)
+        s1, t1 = fleet.total_steps(), time.perf_counter()
+        if fleet.failed():
+            raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+    return (s1 - s0) / (t1 - t0)
+
+
+def _server_stats(address: str) -> dict[str, Any]:
+    from edgerl.robot_client.client import EdgeClient
+
+    async def main() -> dict[str, Any]:
+        async with EdgeClient(address) as client:
+            st = await client.stats()
+        return {
+            "batches": st.batches,
+            "mean_batch_rows": st.rows / max(1, st.batches),
+            "max_batch_rows": st.max_batch_rows,
+            "queue_wait_us_p50": st.queue_wait_us_p50,
+            "queue_wait_us_p99": st.queue_wait_us_p99,
+            "inference_us_p50": st.inference_us_p50,
+            "inference_us_p99": st.inference_us_p99,
+        }
+
+    return asyncio.run(main())
+
+
+def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary."""
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    policy = PolicySpec(env_name=cfg.env, preset=cfg.policy, seed=cfg.seed, torch_threads=cfg.torch_threads)
+    server_stats: dict[str, Any] = {}
+    with ServerProcess(policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us)) as server:
+        for r in range(cfg.repeats):
+            for mode in MODES:
+                progress(f"repeat {r + 1}/{cfg.repeats}: {mode} ({cfg.seconds:.0f}s)")
+                if mode == "sync_inprocess":
+                    sps = run_sync_inprocess(cfg)
+                elif mode == "sync_unary":
+                    sps = run_sync_unary(cfg, server.address)
+                else:
+                    sps = run_async_stream(cfg, server.address)
+                    server_stats = _server_stats(server.address)
+                runs[mode].append(sps)
+                progress(f"  {mode}: {sps:,.0f} env steps/s")
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    return {
+        "bench": "throughput",
+        "config": asdict(cfg),
+        **{m: round(med[m], 1) for m in MODES},
+        "ratios": {
+            "async_stream/sync_unary": round(med["async_stream"] / med["sync_unary"], 3),
+            "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
+        },
+        "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
+        "server_async_stream": server_stats,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+        },
+        "unix_time": int(time.time()),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A readable table of a :func:`run` result."""
+    cfg = result["config"]
+    lines = [
+        f"throughput: {cfg['env']}, {cfg['envs']} envs, policy {cfg['policy']}, "
+        f"{cfg['seconds']:.0f}s x {cfg['repeats']} repeat(s)",
+        f"{'mode':<16}{'median steps/s':>16}  runs",
+    ]
+    for m in MODES:
+        runs = ", ".join(f"{x:,.0f}" for x in result["runs"][m])
+        lines.append(f"{m:<16}{result[m]:>16,.0f}  [{runs}]")
+    for k, v in result["ratios"].items():
+        lines.append(f"{k:<30}{v:>8.2f}x")
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,279 @@
+"""Start the edge server and sim workers as separate processes on loopback.
+
+Processes are spawned (never forked: torch and gRPC hold threads), the
+server reports its bound port through a pipe, and every process shuts down
+gracefully on ``stop()`` (SIGTERM for the server, a shared event for
+workers) before being killed as a last resort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import queue
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.sharedctypes import Synchronized
+from types import TracebackType
+from typing import Any
+
+from edgerl.edge_server.server import ServerConfig
+from edgerl.robot_client.sim_worker import SimWorkerConfig
+
+log = logging.getLogger(__name__)
+_CTX = mp.get_context("spawn")
+
+
+def configure_logging(level: str = "WARNING") -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Which policy a server process builds."""
+
+    env_name: str = "HalfCheetah-v5"
+    """Gymnasium id whose spaces the policy is built for."""
+    preset: str = "mlp"
+    """Network preset (see ``edgerl.edge_server.models.POLICY_PRESETS``)."""
+    seed: int = 0
+    """Seed of the initial weights and of action sampling."""
+    torch_threads: int = 1
+    """Threads torch may use for inference."""
+
+
+def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
+    """An :class:`EdgeServer` serving a freshly initialised torch policy."""
+    import torch
+
+    from edgerl.edge_server.models import build_policy
+    from edgerl.edge_server.policy import TorchPolicyBackend
+    from edgerl.edge_server.server import EdgeServer
+    from edgerl.sim.envs import env_spec
+
+    torch.set_num_threads(policy.torch_threads)
+    spec = env_spec(policy.env_name)
+    if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
+        raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
+    net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0], seed=policy.seed)
+    backend = TorchPolicyBackend(net, spec.act_low, spec.act_high, seed=policy.seed)
+    return EdgeServer(backend, config, env_name=policy.env_name, obs_low=spec.obs_low, obs_high=spec.obs_high)
+
+
+def _server_main(
+    policy: PolicySpec, config: ServerConfig, conn: mp.connection.Connection, log_level: str
+) -> None:
+    from edgerl.edge_server.server import serve_until_signal
+
+    configure_logging(log_level)
+
+    async def main() -> None:
+        server = build_server(policy, config)
+        ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        ready.add_done_callback(lambda f: conn.send(f.result()))
+        await serve_until_signal(server, ready)
+
+    try:
+        asyncio.run(main())
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.send(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+class ServerProcess:
+    """The edge server in its own process. ``with ServerProcess(...) as s: s.address``."""
+
+    def __init__(
+        self,
+        policy: PolicySpec,
+        config: ServerConfig | None = None,
+        *,
+        log_level: str = "WARNING",
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.policy = policy
+        self.config = config or ServerConfig(port=0)
+        self.log_level = log_level
+        self.start_timeout_s = start_timeout_s
+        self.port = 0
+        self._proc: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> str:
+        parent, child = _CTX.Pipe(duplex=False)
+        self._proc = _CTX.Process(
+            target=_server_main,
+            args=(self.policy, self.config, child, self.log_level),
+            name="edgerl-server",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        if not parent.poll(self.start_timeout_s):
+            self.stop()
+            raise TimeoutError(f"edge server did not start within {self.start_timeout_s}s")
+        msg = parent.recv()
+        if not isinstance(msg, int):
+            self.stop()
+            raise RuntimeError(f"edge server failed to start: {msg}")
+        self.port = msg
+        return self.address
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout_s)
+        if proc.is_alive():
+            log.warning("edge server did not stop within %.0fs; killing it", timeout_s)
+            proc.kill()
+            proc.join()
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _worker_main(
+    config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str
+) -> None:
+    from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
+
+    configure_logging(log_level)
+    progress = WorkerProgress()
+    worker = SimWorker(config, progress)
+
+    async def report() -> None:
+        sent = 0
+        while True:
+            steps.value = progress.steps
+            n = len(progress.episode_returns)
+            if n > sent:
+                episodes.put(
+                    list(zip(progress.episode_returns[sent:n], progress.episode_lengths[sent:n], strict=True))
+                )
+                sent = n
+            await asyncio.sleep(0.2)
+
+    async def main() -> None:
+        reporter = asyncio.get_running_loop().create_task(report())
+        try:
+            await worker.run(stop.is_set)
+        finally:
+            reporter.cancel()
+            steps.value = progress.steps
+
+    try:
+        asyncio.run(main())
+    finally:
+        worker.close()
+
+
+class WorkerFleet:
+    """``num_workers`` sim worker processes sharing ``num_envs`` envs between them."""
+
+    def __init__(self, config: SimWorkerConfig, num_workers: int, *, log_level: str = "WARNING") -> None:
+        if num_workers < 1:
+            raise ValueError(f"workers must be >= 1, got {num_workers}")
+        if config.num_envs < num_workers * config.groups:
+            raise ValueError(
+                f"envs ({config.num_envs}) must be >= workers x groups ({num_workers} x {config.groups})"
+            )
+        self.config = config
+        self.num_workers = num_workers
+        self.log_level = log_level
+        self._stop = _CTX.Event()
+        self._episodes: Any = _CTX.Queue()
+        self._steps: list[Synchronized[int]] = []
+        self._procs: list[Any] = []
+        self.episode_returns: list[float] = []
+        self.episode_lengths: list[int] = []
+
+    def start(self) -> None:
+        cfg = self.config
+        bounds = [cfg.num_envs * i // self.num_workers for i in range(self.num_workers + 1)]
+        for i in range(self.num_workers):
+            n = bounds[i + 1] - bounds[i]
+            wcfg = replace(
+                cfg,
+                num_envs=n,
+                seed=cfg.seed + bounds[i],
+                session_id=f"{cfg.session_id or 'sim'}/worker-{i}",
+                max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
+            )
+            steps: Synchronized[int] = _CTX.Value("q", 0)  # type: ignore[assignment,unused-ignore]
+            proc = _CTX.Process(
+                target=_worker_main,
+                args=(wcfg, steps, self._episodes, self._stop, self.log_level),
+                name=f"edgerl-sim-{i}",
+                daemon=True,
+            )
+            proc.start()
+            self._steps.append(steps)
+            self._procs.append(proc)
+
+    def total_steps(self) -> int:
+        return int(sum(s.value for s in self._steps))
+
+    def alive(self) -> int:
+        return sum(p.is_alive() for p in self._procs)
+
+    def failed(self) -> list[int]:
+        """Exit codes of workers that ended with an error."""
+        return [p.exitcode for p in self._procs if p.exitcode not in (None, 0)]
+
+    def poll_episodes(self) -> list[tuple[float, int]]:
+        """Episodes finished since the last call, as (return, length)."""
+        new: list[tuple[float, int]] = []
+        while True:
+            try:
+                new.extend(self._episodes.get_nowait())
+            except queue.Empty:
+                break
+        for ret, length in new:
+            self.episode_returns.append(ret)
+            self.episode_lengths.append(length)
+        return new
+
+    def wait_started(self, timeout_s: float = 120.0) -> None:
+        """Block until every worker has stepped at least once."""
+        deadline = time.monotonic() + timeout_s
+        while any(s.value == 0 for s in self._steps):
+            if self.failed():
+                raise RuntimeError(f"sim worker exited with codes {self.failed()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sim workers did not start within {timeout_s}s")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self._stop.set()
+        for p in self._procs:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.poll_episodes()
+
+    def __enter__(self) -> WorkerFleet:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,67 @@
+"""``edgerl rollout`` and ``edgerl sim``: run sim workers with a live progress bar."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from edgerl.launch.processes import WorkerFleet
+
+
+def watch(fleet: WorkerFleet, *, seconds: float, steps: int, desc: str) -> dict[str, Any]:
+    """Show progress until ``seconds`` pass, ``steps`` env steps are done, workers end, or Ctrl-C.
+
+    Returns:
+        A summary: env steps, wall time, steps/s, episodes and their mean return.
+    """
+    fleet.wait_started()
+    t0 = time.perf_counter()
+    s0 = fleet.total_steps()
+    total = steps if steps > 0 else None
+    interrupted = False
+    with tqdm(total=total, desc=desc, unit="step", unit_scale=True, dynamic_ncols=True) as bar:
+        try:
+            while True:
+                time.sleep(0.5)
+                now, done = time.perf_counter(), fleet.total_steps()
+                fleet.poll_episodes()
+                recent = fleet.episode_returns[-20:]
+                bar.update(done - s0 - bar.n)
+                bar.set_postfix(
+                    episodes=len(fleet.episode_returns),
+                    ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
+                )
+                if fleet.failed():
+                    raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+                if (
+                    (seconds > 0 and now - t0 >= seconds)
+                    or (steps > 0 and done - s0 >= steps)
+                    or fleet.alive() == 0
+                ):
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+    wall = time.perf_counter() - t0
+    fleet.stop()
+    n = fleet.total_steps() - s0
+    rets = fleet.episode_returns
+    return {
+        "env_steps": n,
+        "wall_s": round(wall, 2),
+        "steps_per_s": round(n / wall, 1) if wall > 0 else 0.0,
+        "episodes": len(rets),
+        "return_mean_last20": round(statistics.fmean(rets[-20:]), 2) if rets else None,
+        "interrupted": interrupted,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"{k:<22}{v}" for k, v in summary.items() if not isinstance(v, dict)]
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            lines.append(f"{k}:")
+            lines.extend(f"  {kk:<20}{vv}" for kk, vv in v.items())
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The edgerl wire contract: generated messages and tensor (de)serialisation."""

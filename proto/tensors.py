@@ -1,0 +1,89 @@
+"""Conversion between numpy arrays and ``edgerl.v1.Tensor`` messages.
+
+Tensors are dtype + shape + little-endian, C-order bytes. Decoding is zero-copy
+(a read-only view on the message bytes) and validates the byte count, so a
+malformed tensor is rejected with a message naming the field instead of
+surfacing later as a reshape error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgerl.proto.v1 import edge_pb2 as pb
+
+_TO_NUMPY: dict[int, np.dtype[np.generic]] = {
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT64: np.dtype("<f8"),
+    pb.INT32: np.dtype("<i4"),
+    pb.INT64: np.dtype("<i8"),
+    pb.UINT8: np.dtype("u1"),
+    pb.BOOL: np.dtype("?"),
+    pb.FLOAT16: np.dtype("<f2"),
+}
+_FROM_NUMPY: dict[str, int] = {dt.str.lstrip("<|"): code for code, dt in _TO_NUMPY.items()}
+
+
+class TensorError(ValueError):
+    """A Tensor message that cannot be decoded; ``field`` names where it sits."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def dtype_name(code: int) -> str:
+    """Readable name of a DType enum value (``"FLOAT32"``, or the raw number)."""
+    try:
+        return str(pb.DType.Name(code))  # type: ignore[arg-type,unused-ignore]
+    except ValueError:
+        return str(code)
+
+
+def to_numpy_dtype(code: int) -> np.dtype[np.generic]:
+    """The numpy dtype for a DType code; ``KeyError`` for an unknown one."""
+    return _TO_NUMPY[code]
+
+
+def from_numpy_dtype(dtype: np.dtype[np.generic]) -> int:
+    """The DType code for a numpy dtype; ``ValueError`` if it has no wire form."""
+    key = np.dtype(dtype).str.lstrip("<|=")
+    if np.dtype(dtype).byteorder == ">":
+        raise ValueError(f"big-endian dtype {dtype} has no wire form; convert to little-endian")
+    try:
+        return _FROM_NUMPY[key]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no wire form") from None
+
+
+def encode(array: np.ndarray, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Fill ``out`` (or a new Tensor) from ``array``; copies once into bytes."""
+    msg = pb.Tensor() if out is None else out
+    msg.dtype = from_numpy_dtype(array.dtype)  # type: ignore[assignment,unused-ignore]
+    msg.shape[:] = array.shape
+    msg.data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    return msg
+
+
+def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
+    """A read-only array viewing ``msg.data``.
+
+    Raises:
+        TensorError: unknown dtype, negative dimension, or a byte count that
+            does not match ``prod(shape) * itemsize``.
+    """
+    try:
+        dtype = _TO_NUMPY[msg.dtype]
+    except KeyError:
+        raise TensorError(f"{field}.dtype", f"unsupported dtype {dtype_name(msg.dtype)}") from None
+    shape = tuple(msg.shape)
+    if any(d < 0 for d in shape):
+        raise TensorError(f"{field}.shape", f"negative dimension in {list(shape)}")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(msg.data) != expected:
+        raise TensorError(
+            f"{field}.data",
+            f"{len(msg.data)} bytes do not match shape {list(shape)} of {dtype_name(msg.dtype)} "
+            f"({expected} bytes)",
+        )
+    return np.frombuffer(msg.data, dtype=dtype).reshape(shape)

@@ -1,0 +1,1 @@
+"""Clients of the edge server: streaming sim workers (and, later, robots)."""

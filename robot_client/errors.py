@@ -1,0 +1,92 @@
+"""Named client errors, each carrying the gRPC status code that caused it."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class EdgeRLError(Exception):
+    """Base of every error raised by the edgerl clients."""
+
+
+class RpcError(EdgeRLError):
+    """A call ended with a non-OK gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.details = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}"
+
+
+class ServerUnavailableError(RpcError):
+    """The server cannot be reached or is shutting down; retry with backoff."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class InvalidArgumentError(RpcError):
+    """The server refused a message as malformed; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPreconditionError(RpcError):
+    """A message came out of protocol order (e.g. a step before the hello)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhaustedError(RpcError):
+    """The server's queue is full or a message is too large."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceededError(RpcError):
+    """No answer within the call's deadline."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class UnauthenticatedError(RpcError):
+    """Missing or wrong credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(RpcError):
+    """Valid credentials without the right to call this method."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ProtocolError(EdgeRLError):
+    """The server answered something the contract does not allow (e.g. out of order)."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[RpcError]] = {
+    cls.code: cls
+    for cls in (
+        ServerUnavailableError,
+        InvalidArgumentError,
+        FailedPreconditionError,
+        ResourceExhaustedError,
+        DeadlineExceededError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+    )
+}
+
+
+def from_grpc(exc: grpc.RpcError) -> RpcError:
+    """The named error for a gRPC failure."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    cls = _BY_CODE.get(code, RpcError)
+    return cls(details or code.name, code)

@@ -1,0 +1,199 @@
+"""A sim worker: a group of MuJoCo envs streaming to the edge server.
+
+The worker splits its envs into ``groups`` (two by default) and keeps one
+message per group in flight: while the server computes actions for one half,
+the worker steps the other. Env stepping thereby overlaps inference, network
+and the other half's gRPC work (double buffering).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import ActStream, EdgeClient
+from edgerl.sim.envs import make_vector_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SimWorkerConfig:
+    """One sim worker process."""
+
+    server: str
+    """Edge server address, host:port."""
+    env_name: str = "HalfCheetah-v5"
+    """Gymnasium id of the envs."""
+    num_envs: int = 32
+    """Envs in this worker."""
+    groups: int = 2
+    """Env groups with one message in flight each; 2 = double-buffered, 1 = lockstep."""
+    seed: int = 0
+    """Env i is seeded ``seed + i``."""
+    session_id: str = ""
+    """Stream identity; default ``<host>/<pid>``."""
+    timeout_s: float = 10.0
+    """Deadline for each answer from the server (seconds)."""
+    max_steps: int = 0
+    """Stop after this many env steps (0: run until stopped)."""
+    backoff_initial_s: float = 0.1
+    """First reconnect delay after UNAVAILABLE (seconds); doubles per failure."""
+    backoff_max_s: float = 5.0
+    """Longest reconnect delay (seconds)."""
+    give_up_after_s: float = 60.0
+    """Stop reconnecting after this long without a working stream (seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {self.num_envs}")
+        if not 1 <= self.groups <= self.num_envs:
+            raise ValueError(f"groups must be in [1, num_envs={self.num_envs}], got {self.groups}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass
+class WorkerProgress:
+    """What a worker reports as it runs."""
+
+    steps: int = 0
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    reconnects: int = 0
+    last_policy_version: int = 0
+
+
+class _Group:
+    def __init__(self, env_name: str, ids: list[int], seed: int) -> None:
+        self.ids = ids
+        self.envs, self.obs = make_vector_env(env_name, len(ids), seed)
+        n = len(ids)
+        self.rewards = np.zeros(n, np.float32)
+        self.terminated = np.zeros(n, bool)
+        self.truncated = np.zeros(n, bool)
+        self.ep_return = np.zeros(n, np.float64)
+        self.ep_length = np.zeros(n, np.int64)
+        self.resetting = np.zeros(n, bool)
+
+    async def send(self, stream: ActStream) -> None:
+        await stream.send(self.ids, self.obs, self.rewards, self.terminated, self.truncated)
+
+    def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
+        obs, rew, term, trunc, _ = self.envs.step(actions)
+        self.obs = np.asarray(obs, dtype=np.float32)
+        self.rewards = np.asarray(rew, dtype=np.float32)
+        self.terminated, self.truncated = np.asarray(term, bool), np.asarray(trunc, bool)
+        live = ~self.resetting  # NEXT_STEP autoreset: a reset step is no part of an episode
+        self.ep_return[live] += self.rewards[live]
+        self.ep_length[live] += 1
+        done = self.terminated | self.truncated
+        if done.any():
+            progress.episode_returns.extend(self.ep_return[done].tolist())
+            progress.episode_lengths.extend(self.ep_length[done].tolist())
+            self.ep_return[done] = 0.0
+            self.ep_length[done] = 0
+        self.resetting = done
+        progress.steps += len(self.ids)
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+class SimWorker:
+    """Runs envs against an edge server until stopped, reconnecting on UNAVAILABLE."""
+
+    def __init__(self, config: SimWorkerConfig, progress: WorkerProgress | None = None) -> None:
+        self.config = cfg = config
+        self.progress = progress or WorkerProgress()
+        self.session_id = cfg.session_id or f"{socket.gethostname()}/{os.getpid()}"
+        bounds = [cfg.num_envs * i // cfg.groups for i in range(cfg.groups + 1)]
+        self._groups = [
+            _Group(cfg.env_name, list(range(lo, hi)), cfg.seed + lo) for lo, hi in itertools.pairwise(bounds)
+        ]
+        self._obs_shape = self._groups[0].obs.shape[1:]
+        self._answered = False
+
+    def close(self) -> None:
+        for g in self._groups:
+            g.close()
+
+    def _done(self, should_stop: Callable[[], bool]) -> bool:
+        cfg = self.config
+        return should_stop() or (cfg.max_steps > 0 and self.progress.steps >= cfg.max_steps)
+
+    async def run(self, should_stop: Callable[[], bool] = lambda: False) -> WorkerProgress:
+        """Step the envs until ``should_stop()`` or ``max_steps``; returns the progress.
+
+        Raises:
+            ServerUnavailableError: no working stream for ``give_up_after_s``.
+            RpcError: any other failure (named by its gRPC code).
+        """
+        cfg = self.config
+        backoff = cfg.backoff_initial_s
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
+        while not self._done(should_stop):
+            try:
+                async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s) as client:
+                    await client.wait_ready()
+                    info = await client.describe()
+                    if info.obs_shape != self._obs_shape:
+                        raise errors.EdgeRLError(
+                            f"server serves observations of shape {info.obs_shape}, "
+                            f"{cfg.env_name} has {self._obs_shape}"
+                        )
+                    stream = await client.open_stream(
+                        session_id=self.session_id,
+                        num_envs=cfg.num_envs,
+                        obs_shape=self._obs_shape,
+                        env_name=cfg.env_name,
+                        max_inflight=cfg.groups,
+                    )
+                    self._answered = False
+                    await self._pump(stream, info.act_low, info.act_high, should_stop)
+                    await stream.close()
+                    return self.progress
+            except errors.ServerUnavailableError as exc:
+                now = loop.time()
+                if self._answered or failing_since is None:  # the last stream worked: start afresh
+                    failing_since, backoff, self._answered = now, cfg.backoff_initial_s, False
+                if now - failing_since > cfg.give_up_after_s:
+                    raise
+                if self._done(should_stop):
+                    break
+                delay = backoff * random.uniform(0.5, 1.0)
+                log.warning(
+                    "server %s unavailable (%s); reconnecting in %.2fs", cfg.server, exc.details, delay
+                )
+                self.progress.reconnects += 1
+                await asyncio.sleep(delay)
+                backoff = min(backoff * 2, cfg.backoff_max_s)
+        return self.progress
+
+    async def _pump(
+        self, stream: ActStream, low: np.ndarray, high: np.ndarray, should_stop: Callable[[], bool]
+    ) -> None:
+        groups, progress = self._groups, self.progress
+        for g in groups:
+            await g.send(stream)
+        while not self._done(should_stop):
+            for g in groups:
+                res = await stream.recv()
+                self._answered = True
+                progress.last_policy_version = res.policy_version
+                g.step(np.clip(res.actions, low, high), progress)
+                await g.send(stream)

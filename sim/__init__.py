@@ -1,0 +1,1 @@
+"""Simulated envs and robots (MuJoCo through gymnasium). Knows nothing of gRPC."""

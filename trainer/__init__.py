@@ -1,0 +1,1 @@
+"""The learner: consumes version-stamped transitions and publishes weights."""

@@ -1,0 +1,1 @@
+"""The robot-side safety watchdog. Imports nothing else of edgerl."""
