@@ -157,7 +157,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
         s1, t1 = fleet.total_steps(), time.perf_counter()
         if fleet.failed():
             raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
-    return (s1 - s0) / (t1 - t0)
+    return float(s1 - s0) / (t1 - t0)
 
 
 def _server_stats(address: str) -> dict[str, Any]:

@@ -14,7 +14,18 @@ from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """States each option's default (not for required ones) with room for long metavars."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=48)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.required else super()._get_help_string(action)
+
+
+_FMT = _Formatter
 _DEFAULT_SERVER = ServerConfig()
 
 
@@ -122,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run sim workers against a server",
         description="Start sim worker processes that stream to an edge server.",
     )
-    p.add_argument("--server", required=True, help="edge server address, host:port")
+    p.add_argument("--server", required=True, help="edge server address, host:port (required)")
     _add_env(p, envs=32)
     _add_workers(p, workers=1)
     p.add_argument("--steps", type=int, default=0, help="stop after this many env steps (0: never)")

@@ -1,0 +1,111 @@
+"""The dynamic batcher on its own, with real asyncio and a real inference thread."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edgerl.edge_server.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
+from tests.helpers import EchoPolicy, run
+
+
+def _obs(rows: int, value: float, dim: int = 4) -> np.ndarray:
+    return np.full((rows, dim), value, dtype=np.float32)
+
+
+def test_results_are_split_back_to_their_requests_in_order() -> None:
+    async def main() -> None:
+        policy = EchoPolicy(4, 2)
+        b = DynamicBatcher(policy, max_batch_size=64, max_delay_us=50_000, max_queue_rows=256)
+        b.start()
+        streams = [b.open_stream(1) for _ in range(5)]
+        futures = [b.submit(_obs(i + 1, float(i)), s) for i, s in enumerate(streams)]
+        results = await asyncio.gather(*futures)
+        for i, res in enumerate(results):
+            assert res.actions.shape == (i + 1, 2)
+            np.testing.assert_array_equal(res.actions, float(i))
+            assert res.batch_rows == 15
+        assert policy.batch_sizes == [15]  # every stream waiting: one batch, no delay
+        await b.close()
+
+    run(main())
+
+
+def test_dispatches_when_every_stream_waits_without_waiting_for_the_delay() -> None:
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2), max_batch_size=64, max_delay_us=10_000_000, max_queue_rows=256)
+        b.start()
+        s1, s2 = b.open_stream(1), b.open_stream(1)
+        f1 = b.submit(_obs(2, 1.0), s1)
+        await asyncio.sleep(0.05)
+        assert not f1.done()  # s2 may still send: wait
+        f2 = b.submit(_obs(3, 2.0), s2)
+        r1, r2 = await asyncio.wait_for(asyncio.gather(f1, f2), 5.0)  # far below the 10 s delay
+        assert r1.batch_rows == r2.batch_rows == 5
+        await b.close()
+
+    run(main())
+
+
+def test_respects_max_delay_us_from_the_oldest_request() -> None:
+    async def main() -> None:
+        policy = EchoPolicy(4, 2)
+        b = DynamicBatcher(policy, max_batch_size=64, max_delay_us=200_000, max_queue_rows=256)
+        b.start()
+        s1, _idle = b.open_stream(2), b.open_stream(1)
+        f1 = b.submit(_obs(1, 1.0), s1)
+        await asyncio.sleep(0.1)
+        f2 = b.submit(_obs(1, 2.0), s1)
+        r1, r2 = await asyncio.gather(f1, f2)
+        assert r1.queue_wait_us >= 200_000  # the oldest waited the full delay...
+        assert 100_000 <= r2.queue_wait_us < 200_000  # ...and the younger one went with it
+        assert r1.batch_rows == 2
+        assert policy.batch_sizes == [2]
+        await b.close()
+
+    run(main())
+
+
+def test_full_batch_dispatches_at_once() -> None:
+    async def main() -> None:
+        policy = EchoPolicy(4, 2)
+        b = DynamicBatcher(policy, max_batch_size=8, max_delay_us=10_000_000, max_queue_rows=64)
+        b.start()
+        s, _idle = b.open_stream(4), b.open_stream(1)
+        futures = [b.submit(_obs(4, float(i)), s) for i in range(2)]
+        results = await asyncio.wait_for(asyncio.gather(*futures), 5.0)
+        assert [r.batch_rows for r in results] == [8, 8]
+        await b.close()
+
+    run(main())
+
+
+def test_queue_full_is_refused_at_once_and_counted() -> None:
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2, delay_s=0.2), max_batch_size=4, max_delay_us=0, max_queue_rows=8)
+        b.start()
+        futures = [b.submit(_obs(4, 0.0))]
+        await asyncio.sleep(0.05)  # first batch is now computing; the queue is empty
+        futures += [b.submit(_obs(4, 1.0)), b.submit(_obs(4, 2.0))]
+        with pytest.raises(QueueFullError, match="queue full: 8 of 8 rows"):
+            b.submit(_obs(1, 3.0))
+        assert b.stats.rejected_queue_full == 1
+        await asyncio.gather(*futures)  # nothing accepted is lost
+        await b.close()
+
+    run(main())
+
+
+def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2, delay_s=0.1), max_batch_size=4, max_delay_us=0, max_queue_rows=64)
+        b.start()
+        futures = [b.submit(_obs(4, float(i))) for i in range(3)]
+        closing = asyncio.ensure_future(b.close())
+        await asyncio.sleep(0)
+        with pytest.raises(BatcherClosedError):
+            b.submit(_obs(1, 0.0))
+        await closing
+        assert all(f.done() and not f.exception() for f in futures)
+
+    run(main())

@@ -1,0 +1,134 @@
+"""The streaming client and sim worker against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import numpy as np
+import pytest
+
+from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient
+from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
+from tests.helpers import EchoPolicy, run, running_server
+
+
+def test_error_types_carry_their_grpc_code() -> None:
+    class Fake(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self) -> str:
+            return "queue full"
+
+    err = errors.from_grpc(Fake())
+    assert isinstance(err, errors.ResourceExhaustedError)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(err) == "RESOURCE_EXHAUSTED: queue full"
+
+
+def test_sim_worker_runs_real_envs_through_the_server() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server:
+            cfg = SimWorkerConfig(
+                server=f"127.0.0.1:{server.port}",
+                env_name="InvertedPendulum-v5",
+                num_envs=6,
+                groups=2,
+                max_steps=600,
+            )
+            worker = SimWorker(cfg)
+            progress = await worker.run()
+            worker.close()
+            stats = server.batcher.stats
+        assert progress.steps == 600
+        assert stats.rows == 600 + 6  # every step answered, plus the last sends in flight at the end
+        # Echoing the first observation entry as the action pushes the cart the way it leans: episodes end.
+        assert len(progress.episode_returns) > 0
+        assert all(length >= 1 for length in progress.episode_lengths)
+        assert progress.reconnects == 0
+
+    run(main())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_worker_reconnects_with_backoff_until_the_server_comes_up() -> None:
+    async def main() -> None:
+        port = _free_port()
+        cfg = SimWorkerConfig(
+            server=f"127.0.0.1:{port}",
+            env_name="InvertedPendulum-v5",
+            num_envs=4,
+            max_steps=200,
+            timeout_s=1.0,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+        )
+        worker = SimWorker(cfg)
+        task = asyncio.ensure_future(worker.run())
+        await asyncio.sleep(1.5)  # nothing listens yet: the worker keeps retrying
+        assert not task.done()
+        assert worker.progress.reconnects >= 1
+        server = EdgeServer(EchoPolicy(4, 1), ServerConfig(port=port))
+        await server.start()
+        try:
+            progress = await asyncio.wait_for(task, 60)
+        finally:
+            await server.stop(0.5)
+            worker.close()
+        assert progress.steps == 200
+
+    run(main())
+
+
+def test_worker_gives_up_after_its_budget() -> None:
+    async def main() -> None:
+        cfg = SimWorkerConfig(
+            server=f"127.0.0.1:{_free_port()}",
+            env_name="InvertedPendulum-v5",
+            num_envs=2,
+            timeout_s=0.3,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.1,
+            give_up_after_s=1.0,
+        )
+        worker = SimWorker(cfg)
+        with pytest.raises(errors.ServerUnavailableError):
+            await worker.run()
+        worker.close()
+
+    run(main())
+
+
+def test_recv_deadline_raises_deadline_exceeded() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1, delay_s=1.0), max_delay_us=0) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                stream = await client.open_stream(session_id="slow", num_envs=1, obs_shape=(4,))
+                await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
+                with pytest.raises(errors.DeadlineExceededError, match=r"no answer to step 0 within 0\.2s"):
+                    await stream.recv(timeout_s=0.2)
+                await stream.close()
+
+    run(main())
+
+
+def test_too_many_in_flight_is_refused_client_side() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                stream = await client.open_stream(session_id="x", num_envs=1, obs_shape=(4,), max_inflight=1)
+                await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
+                with pytest.raises(errors.EdgeRLError, match="max_inflight is 1"):
+                    await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
+                await stream.close()
+
+    run(main())

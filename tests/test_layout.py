@@ -1,0 +1,68 @@
+"""Packaging and dependency direction."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(folder: str) -> set[str]:
+    names: set[str] = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+    return names
+
+
+FOLDERS = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch")
+
+
+def _outside_repo(code: str, tmp_path: Path) -> str:
+    """Run Python where the repository is not on sys.path: only what is installed is visible."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    return out.stdout
+
+
+def test_folders_install_under_edgerl_only(tmp_path: Path) -> None:
+    code = (
+        "import importlib, importlib.util, json\n"
+        f"folders = {FOLDERS!r}\n"
+        "top = {f: getattr(importlib.util.find_spec(f), 'origin', None) for f in folders}\n"
+        "sub = {f: importlib.import_module('edgerl.' + f).__file__ for f in folders}\n"
+        "print(json.dumps([top, sub]))"
+    )
+    top, sub = json.loads(_outside_repo(code, tmp_path))
+    for folder in FOLDERS:
+        assert not str(top[folder] or "").startswith(str(ROOT)), f"top-level {folder} is ours"
+        assert sub[folder] == str(ROOT / folder / "__init__.py")
+
+
+def test_dependencies_point_one_way() -> None:
+    assert not any(n.startswith("edgerl") for n in _imports("watchdog"))
+    assert not any(n.startswith(("grpc", "edgerl.proto", "edgerl.robot_client")) for n in _imports("sim"))
+    assert not any(n.startswith("edgerl.trainer") for n in _imports("edge_server"))
+    assert not any(n.startswith("edgerl.edge_server") for n in _imports("trainer"))
+
+
+def test_sim_workers_do_not_import_torch() -> None:
+    code = "import sys, edgerl.robot_client.sim_worker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_generated_code_is_up_to_date() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "edgerl.proto.generate", "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,305 @@
+"""A real edge server on port 0, real gRPC clients, real MuJoCo envs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from edgerl.edge_server.models import build_policy
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.server import SERVICE_NAME, EdgeServer, ServerConfig
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import ActStream, EdgeClient
+from edgerl.sim.envs import env_spec, make_vector_env
+from tests.helpers import EchoPolicy, run, running_server
+
+ENV = "HalfCheetah-v5"
+OBS, ACT = 17, 6
+
+
+def _torch_backend() -> TorchPolicyBackend:
+    spec = env_spec(ENV)
+    return TorchPolicyBackend(build_policy("mlp", OBS, ACT, seed=1), spec.act_low, spec.act_high, seed=1)
+
+
+async def _drive_envs(
+    stream: ActStream, env_name: str, ids: list[list[int]], steps: int, seed: int
+) -> dict[str, Any]:
+    """Step real envs in double-buffered groups; check every answer as it comes."""
+    groups = [make_vector_env(env_name, len(g), seed + g[0]) for g in ids]
+    obs = [o for _, o in groups]
+    zeros = [np.zeros(len(g), np.float32) for g in ids]
+    falses = [np.zeros(len(g), bool) for g in ids]
+    for g, gids in enumerate(ids):
+        await stream.send(gids, obs[g], zeros[g], falses[g], falses[g])
+    counts = {i: 0 for g in ids for i in g}
+    seqs, versions = [], set()
+    for _ in range(steps):
+        for g, gids in enumerate(ids):
+            res = await stream.recv()
+            seqs.append(res.seq)
+            assert res.env_ids == gids
+            assert res.actions.shape == (len(gids), ACT)
+            assert res.log_probs.shape == (len(gids),)
+            assert np.isfinite(res.log_probs).all()
+            versions.add(res.policy_version)
+            for i in gids:
+                counts[i] += 1
+            o, r, term, trunc, _ = groups[g][0].step(np.clip(res.actions, -1, 1))
+            obs[g] = np.asarray(o, np.float32)
+            await stream.send(gids, obs[g], r, term, trunc)
+    for envs, _ in groups:
+        envs.close()
+    return {"counts": counts, "seqs": seqs, "versions": versions}
+
+
+def test_100_envs_over_4_streams_get_one_action_per_env_per_step_in_order() -> None:
+    async def main() -> None:
+        async with running_server(_torch_backend(), max_delay_us=1000) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                streams = []
+                for s in range(4):
+                    streams.append(
+                        await client.open_stream(
+                            session_id=f"test/{s}",
+                            num_envs=25,
+                            obs_shape=(OBS,),
+                            env_name=ENV,
+                            max_inflight=2,
+                        )
+                    )
+                ids = [list(range(0, 13)), list(range(13, 25))]
+                results = await asyncio.gather(
+                    *(_drive_envs(st, ENV, ids, 20, 100 * k) for k, st in enumerate(streams))
+                )
+                stats = await client.stats()
+                for st in streams:
+                    await st.close()
+        for res in results:
+            assert res["seqs"] == list(range(40))  # answers in request order
+            assert set(res["counts"].values()) == {20}  # one action per env per step
+            assert res["versions"] == {0}
+        assert stats.requests >= 4 * 40
+        assert stats.max_batch_rows > 13  # requests of several streams share batches under load
+
+    run(main())
+
+
+def test_each_env_gets_the_action_computed_from_its_own_observation() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT), max_delay_us=5000) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                streams = [
+                    await client.open_stream(session_id=f"s{k}", num_envs=8, obs_shape=(OBS,), max_inflight=1)
+                    for k in range(3)
+                ]
+                sent = []
+                for k, st in enumerate(streams):
+                    obs = np.arange(8 * OBS, dtype=np.float32).reshape(8, OBS) + 1000 * k
+                    sent.append(obs)
+                    await st.send(list(range(8)), obs, np.zeros(8), np.zeros(8, bool), np.zeros(8, bool))
+                answers = [await st.recv() for st in streams]
+        for obs, ans in zip(sent, answers, strict=True):
+            np.testing.assert_array_equal(ans.actions, obs[:, :ACT])
+            np.testing.assert_allclose(ans.log_probs, obs.sum(1))
+        assert max(a.batch_rows for a in answers) > 8  # streams shared a batch and were split back apart
+
+    run(main())
+
+
+def test_describe_health_and_reflection() -> None:
+    async def main() -> None:
+        spec = env_spec(ENV)
+        backend = _torch_backend()
+        server = EdgeServer(
+            backend,
+            ServerConfig(port=0, max_batch_size=128),
+            env_name=ENV,
+            obs_low=spec.obs_low,
+            obs_high=spec.obs_high,
+        )
+        await server.start()
+        try:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                info = await client.describe()
+            assert info.obs_shape == (OBS,) and info.act_shape == (ACT,)
+            np.testing.assert_array_equal(info.act_low, -1.0)
+            assert info.max_batch_size == 128 and info.env_name == ENV and info.backend == "torch-mlp"
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop()
+
+    run(main())
+
+    # Reflection through the standard descriptor database, on a sync channel as grpcurl would.
+    async def live() -> list[str]:
+        async with running_server(EchoPolicy(OBS, ACT)) as server:
+            return await asyncio.to_thread(_reflect, f"127.0.0.1:{server.port}")
+
+    services = run(live())
+    assert isinstance(services, list)
+    assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def _reflect(address: str) -> list[str]:
+    with grpc.insecure_channel(address) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        services = list(db.get_services())
+        file = db.FindFileContainingSymbol(SERVICE_NAME)
+        assert file.name == "edgerl/v1/edge.proto"
+        return services
+
+
+async def _healthy_stream(client: EdgeClient, name: str) -> ActStream:
+    return await client.open_stream(session_id=name, num_envs=4, obs_shape=(OBS,), max_inflight=1)
+
+
+async def _round_trip(stream: ActStream) -> None:
+    obs = np.ones((4, OBS), np.float32)
+    await stream.send([0, 1, 2, 3], obs, np.zeros(4), np.zeros(4, bool), np.zeros(4, bool))
+    assert (await stream.recv()).actions.shape == (4, ACT)
+
+
+def _step(seq: int, ids: list[int], obs: np.ndarray, dtype: int = pb.FLOAT32) -> pb.ActRequest:
+    n = len(ids)
+    return pb.ActRequest(
+        step=pb.StepObservation(
+            seq=seq,
+            env_ids=ids,
+            obs=pb.Tensor(dtype=dtype, shape=obs.shape, data=obs.tobytes()),
+            rewards=[0.0] * n,
+            terminated=[False] * n,
+            truncated=[False] * n,
+        )
+    )
+
+
+HELLO = pb.ActRequest(hello=pb.StreamHello(session_id="bad", num_envs=4, obs_shape=[OBS], max_inflight=1))
+GOOD = np.zeros((2, OBS), np.float32)
+NAN = GOOD.copy()
+NAN[1, 3] = np.nan
+BAD_CASES = {
+    "obs shape": (
+        [HELLO, _step(0, [0, 1], np.zeros((2, OBS + 1), np.float32))],
+        "INVALID_ARGUMENT",
+        "step.obs.shape",
+    ),
+    "obs dtype": (
+        [HELLO, _step(0, [0, 1], GOOD.astype(np.float64), pb.FLOAT64)],
+        "INVALID_ARGUMENT",
+        "step.obs.dtype",
+    ),
+    "NaN": ([HELLO, _step(0, [0, 1], NAN)], "INVALID_ARGUMENT", "step.obs: row 1 contains NaN"),
+    "ids vs rows": (
+        [HELLO, _step(0, [0, 1, 2], GOOD)],
+        "INVALID_ARGUMENT",
+        "step.obs.shape: expected [3, 17]",
+    ),
+    "id range": ([HELLO, _step(0, [0, 9], GOOD)], "INVALID_ARGUMENT", "step.env_ids"),
+    "duplicate ids": ([HELLO, _step(0, [1, 1], GOOD)], "INVALID_ARGUMENT", "step.env_ids: duplicate"),
+    "seq gap": ([HELLO, _step(5, [0, 1], GOOD)], "INVALID_ARGUMENT", "step.seq: expected 0, got 5"),
+    "no hello": ([_step(0, [0, 1], GOOD)], "FAILED_PRECONDITION", "must be a StreamHello"),
+    "hello shape": (
+        [pb.ActRequest(hello=pb.StreamHello(session_id="x", num_envs=4, obs_shape=[3]))],
+        "INVALID_ARGUMENT",
+        "hello.obs_shape",
+    ),
+    "oversized": (
+        [HELLO, _step(0, [0, 1, 2, 3], np.zeros((4, 20_000), np.float32))],
+        "RESOURCE_EXHAUSTED",
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -> None:
+    messages, code, text = BAD_CASES[case]
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT), max_message_bytes=64 * 1024) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with EdgeClient(address) as client:
+                healthy = await _healthy_stream(client, "healthy")
+                await _round_trip(healthy)
+                async with grpc.aio.insecure_channel(address) as ch:
+                    call = pb_grpc.EdgePolicyStub(ch).Act(timeout=10)
+                    for m in messages:
+                        await call.write(m)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call.read()
+                assert info.value.code().name == code
+                assert text in (info.value.details() or "")
+                for _ in range(3):
+                    await _round_trip(healthy)  # the other stream is still served
+                await healthy.close()
+
+    run(main())
+
+
+def test_unary_validation_names_the_field() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT)) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                with pytest.raises(errors.InvalidArgumentError, match=r"obs\.shape: expected \[2, 17\]"):
+                    await client.act(np.zeros((2, 5), np.float32))
+                ans = await client.act(np.ones((2, OBS), np.float32))
+                assert ans.actions.shape == (2, ACT)
+
+    run(main())
+
+
+def test_full_queue_yields_resource_exhausted() -> None:
+    async def main() -> None:
+        slow = EchoPolicy(OBS, ACT, delay_s=0.5)
+        async with running_server(slow, max_batch_size=4, max_queue_rows=4, max_delay_us=0) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                first = await _healthy_stream(client, "a")
+                await first.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+                await asyncio.sleep(0.1)  # first batch computing, queue empty
+                second = await _healthy_stream(client, "b")
+                await second.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+                third = await _healthy_stream(client, "c")
+                await third.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+                with pytest.raises(errors.ResourceExhaustedError, match="queue full"):
+                    await third.recv(timeout_s=0.3)  # refused at once, well before the slow batch ends
+                assert (await first.recv()).actions.shape == (4, ACT)
+                assert (await second.recv()).actions.shape == (4, ACT)
+                assert (await client.stats()).rejected_queue_full == 1
+
+    run(main())
+
+
+def test_graceful_shutdown_finishes_in_flight_and_refuses_new_work() -> None:
+    async def main() -> None:
+        slow = EchoPolicy(OBS, ACT, delay_s=0.4)
+        server = EdgeServer(slow, ServerConfig(port=0, max_delay_us=0, grace_s=5))
+        await server.start()
+        address = f"127.0.0.1:{server.port}"
+        async with EdgeClient(address) as client:
+            stream = await _healthy_stream(client, "inflight")
+            await stream.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+            await asyncio.sleep(0.1)  # the batch is computing
+            stopping = asyncio.ensure_future(server.stop())
+            await asyncio.sleep(0.05)
+            ans = await stream.recv()  # in-flight work finishes
+            assert ans.actions.shape == (4, ACT)
+            await stream.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+            with pytest.raises(errors.ServerUnavailableError):
+                await stream.recv()
+            with pytest.raises(errors.ServerUnavailableError):
+                await client.act(np.ones((1, OBS)), timeout_s=2)
+            await stopping
+
+    run(main())
