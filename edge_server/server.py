@@ -36,7 +36,7 @@ class ServerConfig:
     """TCP port; 0 picks a free one (read it back from ``EdgeServer.port``)."""
     max_batch_size: int = 256
     """Most observation rows in one forward pass."""
-    max_delay_us: int = 2000
+    max_delay_us: int = 1000
     """Longest the oldest queued request waits for a fuller batch (microseconds)."""
     max_queue_rows: int = 4096
     """Most observation rows waiting at once; a request beyond it gets RESOURCE_EXHAUSTED."""

@@ -44,13 +44,13 @@ class ThroughputConfig:
     """Unmeasured time before each measurement (seconds)."""
     policy: str = "mlp"
     """Policy preset: mlp or mlp-large."""
-    workers: int = 2
+    workers: int = 1
     """Sim worker processes in async_stream."""
     groups: int = 2
     """Env groups per worker in async_stream (2 = double-buffered)."""
     repeats: int = 1
     """Interleaved repeats of all modes; medians are reported."""
-    max_delay_us: int = 2000
+    max_delay_us: int = 1000
     """Edge server batching delay (microseconds)."""
     torch_threads: int = 1
     """Torch threads for inference, in-process and in the server alike."""
