@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, server_stats
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 MODES = ("sync_inprocess", "sync_unary", "async_stream")
@@ -160,30 +160,11 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
     return float(s1 - s0) / (t1 - t0)
 
 
-def _server_stats(address: str) -> dict[str, Any]:
-    from edgerl.robot_client.client import EdgeClient
-
-    async def main() -> dict[str, Any]:
-        async with EdgeClient(address) as client:
-            st = await client.stats()
-        return {
-            "batches": st.batches,
-            "mean_batch_rows": st.rows / max(1, st.batches),
-            "max_batch_rows": st.max_batch_rows,
-            "queue_wait_us_p50": st.queue_wait_us_p50,
-            "queue_wait_us_p99": st.queue_wait_us_p99,
-            "inference_us_p50": st.inference_us_p50,
-            "inference_us_p99": st.inference_us_p99,
-        }
-
-    return asyncio.run(main())
-
-
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary."""
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     policy = PolicySpec(env_name=cfg.env, preset=cfg.policy, seed=cfg.seed, torch_threads=cfg.torch_threads)
-    server_stats: dict[str, Any] = {}
+    stream_stats: dict[str, Any] = {}
     with ServerProcess(policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us)) as server:
         for r in range(cfg.repeats):
             for mode in MODES:
@@ -193,8 +174,15 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                 elif mode == "sync_unary":
                     sps = run_sync_unary(cfg, server.address)
                 else:
+                    before = server_stats(server.address)
                     sps = run_async_stream(cfg, server.address)
-                    server_stats = _server_stats(server.address)
+                    after = server_stats(server.address)
+                    batches = after["batches"] - before["batches"]
+                    stream_stats = {
+                        **after,
+                        "batches": batches,
+                        "mean_batch_rows": round((after["rows"] - before["rows"]) / max(1, batches), 1),
+                    }
                 runs[mode].append(sps)
                 progress(f"  {mode}: {sps:,.0f} env steps/s")
     med = {m: statistics.median(v) for m, v in runs.items()}
@@ -207,7 +195,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
             "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
-        "server_async_stream": server_stats,
+        "server_async_stream": stream_stats,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

@@ -8,11 +8,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from edgerl.edge_server.models import POLICY_PRESETS
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 
@@ -225,27 +224,6 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
     )
 
 
-def _server_summary(address: str) -> dict[str, Any]:
-    from edgerl.robot_client.client import EdgeClient
-
-    async def main() -> dict[str, Any]:
-        async with EdgeClient(address) as client:
-            st = await client.stats()
-        return {
-            "requests": st.requests,
-            "batches": st.batches,
-            "mean_batch_rows": round(st.rows / max(1, st.batches), 1),
-            "max_batch_rows": st.max_batch_rows,
-            "queue_wait_us_p50": st.queue_wait_us_p50,
-            "queue_wait_us_p99": st.queue_wait_us_p99,
-            "inference_us_p50": st.inference_us_p50,
-            "inference_us_p99": st.inference_us_p99,
-            "policy_version": st.policy_version,
-        }
-
-    return asyncio.run(main())
-
-
 def _sim(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import format_summary, watch
 
@@ -267,7 +245,7 @@ def _rollout(a: argparse.Namespace) -> int:
         )
         with WorkerFleet(_worker_config(a, server.address), a.workers, log_level=a.log_level) as fleet:
             summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
-        summary["server"] = _server_summary(server.address)
+        summary["server"] = server_stats(server.address)
     print(format_summary(summary))
     if a.json:
         with open(a.json, "w") as f:

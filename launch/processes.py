@@ -149,6 +149,31 @@ class ServerProcess:
         self.stop()
 
 
+def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The server's counters (``Stats`` RPC) as a JSON-ready dict."""
+    from edgerl.robot_client.client import EdgeClient
+
+    async def main() -> dict[str, Any]:
+        async with EdgeClient(address, timeout_s=timeout_s) as client:
+            st = await client.stats()
+        return {
+            "requests": st.requests,
+            "batches": st.batches,
+            "rows": st.rows,
+            "mean_batch_rows": round(st.rows / max(1, st.batches), 1),
+            "max_batch_rows": st.max_batch_rows,
+            "queue_wait_us_p50": st.queue_wait_us_p50,
+            "queue_wait_us_p99": st.queue_wait_us_p99,
+            "inference_us_p50": st.inference_us_p50,
+            "inference_us_p99": st.inference_us_p99,
+            "rejected_queue_full": st.rejected_queue_full,
+            "rejected_invalid": st.rejected_invalid,
+            "policy_version": st.policy_version,
+        }
+
+    return asyncio.run(main())
+
+
 def _worker_main(
     config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str
 ) -> None:
