@@ -69,7 +69,7 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["env_steps"] > 1000
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
     assert summary["server"]["requests"] > 100
-    assert summary["server"]["mean_batch_rows"] >= 4
+    assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
 
 
 def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
