@@ -23,16 +23,13 @@ import collections
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
 from edgerl.edge_server.policy import PolicyBackend
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class QueueFullError(Exception):
@@ -200,10 +197,6 @@ class DynamicBatcher:
         self._queued_rows += rows
         self._wake.set()
         return future
-
-    async def run_exclusive(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the inference thread between two batches (e.g. a weight swap)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     # -- dispatch ----------------------------------------------------------------------------
     def _ready(self, now_ns: int) -> bool:

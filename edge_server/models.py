@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -78,16 +77,6 @@ def _mlp(sizes: Sequence[int], out_gain: float) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-@dataclass(frozen=True)
-class ActOutput:
-    """What one forward pass of the actor yields per row."""
-
-    actions: torch.Tensor
-    """Raw Gaussian samples ``[n, act_dim]`` (unclipped)."""
-    log_probs: torch.Tensor
-    """Log-density of each row's action, summed over dims ``[n]`` (nats)."""
-
-
 class GaussianMLPPolicy(nn.Module):
     """Diagonal-Gaussian actor and a separate value critic, each an MLP.
 
@@ -112,14 +101,6 @@ class GaussianMLPPolicy(nn.Module):
     def distribution(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean ``[n, act_dim]`` and log-std ``[act_dim]`` of the action distribution."""
         return self.actor_mean(self.obs_norm(obs)), self.actor_log_std
-
-    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> ActOutput:
-        """Sample actions for raw observations and their log-probabilities."""
-        mean, log_std = self.distribution(obs)
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-        actions = mean + noise * log_std.exp()
-        log_probs = -0.5 * (noise.pow(2) + _LOG_2PI).sum(-1) - log_std.sum()
-        return ActOutput(actions=actions, log_probs=log_probs)
 
 
 def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
