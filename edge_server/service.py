@@ -20,6 +20,7 @@ from edgerl.edge_server.batcher import (
 )
 from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
+from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -52,7 +53,7 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
     return pb.ActResponse(
         seq=seq,
         env_ids=env_ids,
-        actions=pb.Tensor(dtype=_FLOAT32, shape=actions.shape, data=actions.tobytes()),
+        actions=tensors.float32(actions),
         log_probs=res.log_probs.tolist(),
         policy_version=res.policy_version,
         queue_wait_us=res.queue_wait_us,

@@ -27,7 +27,6 @@ from edgerl.robot_client import errors
 DEFAULT_TIMEOUT_S = 10.0
 STREAM_DEADLINE_S = 7 * 24 * 3600.0
 """Deadline of the Act stream as a whole; each answer has its own, shorter one."""
-_FLOAT32 = pb.FLOAT32
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ class ActStream:
             step=pb.StepObservation(
                 seq=seq,
                 env_ids=env_ids,
-                obs=pb.Tensor(dtype=_FLOAT32, shape=obs.shape, data=obs.tobytes()),
+                obs=tensors.float32(obs),
                 rewards=np.asarray(rewards, dtype=np.float32).tolist(),
                 terminated=np.asarray(terminated, dtype=bool).tolist(),
                 truncated=np.asarray(truncated, dtype=bool).tolist(),
@@ -294,7 +293,7 @@ class EdgeClient:
     async def act(self, obs: np.ndarray, timeout_s: float | None = None) -> Actions:
         """One unary call: actions for observations ``[n, *obs_shape]``."""
         obs = np.ascontiguousarray(obs, dtype=np.float32)
-        req = pb.ActUnaryRequest(obs=pb.Tensor(dtype=_FLOAT32, shape=obs.shape, data=obs.tobytes()))
+        req = pb.ActUnaryRequest(obs=tensors.float32(obs))
         return _decode_actions(await self._unary(self._stub.ActUnary, req, timeout_s))
 
     async def open_stream(

@@ -11,6 +11,17 @@ import pytest
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
 
+def _edgerl(args: str, json_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``edgerl ARGS --json PATH`` to completion; fails the test on a non-zero exit."""
+    return subprocess.run(
+        [*EDGERL, *args.split(), "--json", str(json_path)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+
+
 @pytest.mark.parametrize("command", [["serve"], ["sim"], ["rollout"], ["bench", "throughput"]])
 def test_help_explains_every_option_with_its_default(command: list[str]) -> None:
     env = {**os.environ, "COLUMNS": "400"}  # one line per option
@@ -45,26 +56,7 @@ def test_bad_option_value_is_a_clear_error() -> None:
 
 def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     path = tmp_path / "rollout.json"
-    subprocess.run(
-        [
-            *EDGERL,
-            "rollout",
-            "--env",
-            "InvertedPendulum-v5",
-            "--envs",
-            "8",
-            "--workers",
-            "2",
-            "--seconds",
-            "4",
-            "--json",
-            str(path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
+    _edgerl("rollout --env InvertedPendulum-v5 --envs 8 --workers 2 --seconds 4", path)
     summary = json.loads(path.read_text())
     assert summary["env_steps"] > 1000
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
@@ -74,28 +66,8 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
 
 def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
-    out = subprocess.run(
-        [
-            *EDGERL,
-            "bench",
-            "throughput",
-            "--env",
-            "InvertedPendulum-v5",
-            "--envs",
-            "8",
-            "--seconds",
-            "1.5",
-            "--warmup-s",
-            "0.5",
-            "--workers",
-            "1",
-            "--json",
-            str(path),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-        text=True,
+    out = _edgerl(
+        "bench throughput --env InvertedPendulum-v5 --envs 8 --seconds 1.5 --warmup-s 0.5 --workers 1", path
     )
     result = json.loads(path.read_text())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == result
