@@ -23,13 +23,16 @@ import collections
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend
+from edgerl.edge_server.policy import PolicyBackend, PolicyResult
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class QueueFullError(Exception):
@@ -50,6 +53,7 @@ class BatchResult:
 
     actions: np.ndarray
     log_probs: np.ndarray
+    values: np.ndarray | None
     policy_version: int
     queue_wait_us: int
     inference_us: int
@@ -243,20 +247,25 @@ class DynamicBatcher:
                     self._streams_waiting -= 1
         return batch
 
-    def _infer(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    async def run_between_batches(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the inference thread, after the running batch and before the next.
+
+        This is how weights are swapped: no forward pass ever sees half-loaded weights.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    def _infer(self, obs: np.ndarray) -> tuple[PolicyResult, int, int]:
         start = time.perf_counter_ns()
         version = self.backend.version
         result = self.backend.infer(obs)
-        return result.actions, result.log_probs, version, (time.perf_counter_ns() - start) // 1000
+        return result, version, (time.perf_counter_ns() - start) // 1000
 
     async def _dispatch(self, batch: list[_Request], now_ns: int) -> None:
         obs = np.concatenate([r.obs for r in batch]) if len(batch) > 1 else np.array(batch[0].obs)
         rows = obs.shape[0]
         loop = asyncio.get_running_loop()
         try:
-            actions, log_probs, version, inference_us = await loop.run_in_executor(
-                self._executor, self._infer, obs
-            )
+            result, version, inference_us = await loop.run_in_executor(self._executor, self._infer, obs)
         except Exception as exc:
             log.exception("policy forward pass failed on a batch of %d rows", rows)
             for req in batch:
@@ -271,6 +280,7 @@ class DynamicBatcher:
         st.max_batch_rows = max(st.max_batch_rows, rows)
         st.inference_us.append(inference_us)
         st.batch_rows.append(rows)
+        actions, log_probs, values = result.actions, result.log_probs, result.values
         offset = 0
         for req in batch:
             n = req.obs.shape[0]
@@ -282,6 +292,7 @@ class DynamicBatcher:
                     BatchResult(
                         actions[offset : offset + n],
                         log_probs[offset : offset + n],
+                        None if values is None else values[offset : offset + n],
                         version,
                         wait_us,
                         inference_us,

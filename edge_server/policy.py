@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edgerl.edge_server.models import GaussianMLPPolicy
+from edgerl.models import GaussianMLPPolicy
 
 _LOG_2PI = np.float32(math.log(2.0 * math.pi))
 
@@ -27,6 +27,8 @@ class PolicyResult:
     """float32 ``[n, *act_shape]``: raw policy samples, unclipped."""
     log_probs: np.ndarray
     """float32 ``[n]``: log-probability of each action (nats)."""
+    values: np.ndarray | None = None
+    """float32 ``[n]``: state-value estimates, or None if the backend computes none."""
 
 
 class PolicyBackend(abc.ABC):
@@ -55,6 +57,15 @@ class PolicyBackend(abc.ABC):
     def infer(self, obs: np.ndarray) -> PolicyResult:
         """Actions for float32 observations ``[n, *obs_shape]`` (n >= 1)."""
 
+    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Swap in new weights and stamp them ``version``; called between two batches.
+
+        Raises:
+            KeyError, ValueError: a tensor is missing, unknown or of the wrong shape;
+                the served weights are then unchanged.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
+
     def warmup(self, rows: int = 8) -> None:
         """Run one dummy batch so the first real request does not pay for lazy init."""
         self.infer(np.zeros((rows, *self.obs_shape), dtype=np.float32))
@@ -73,10 +84,27 @@ class TorchPolicyBackend(PolicyBackend):
         *,
         seed: int = 0,
         version: int = 0,
+        compute_values: bool = False,
     ) -> None:
         super().__init__((policy.obs_dim,), (policy.act_dim,), act_low, act_high, version)
         self.policy = policy.eval()
+        self.compute_values = compute_values
         self._rng = np.random.default_rng(seed)
+
+    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        current = self.policy.state_dict()
+        missing = sorted(set(current) - set(weights))
+        unknown = sorted(set(weights) - set(current))
+        if missing or unknown:
+            raise KeyError(f"weights: missing {missing}, unknown {unknown}")
+        for name, value in weights.items():
+            if tuple(value.shape) != tuple(current[name].shape):
+                raise ValueError(
+                    f"weights[{name!r}]: expected shape {list(current[name].shape)}, got {list(value.shape)}"
+                )
+        state = {k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in weights.items()}
+        self.policy.load_state_dict(state)
+        self.version = version
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
         # The network runs in torch; sampling runs in numpy, which costs a few
@@ -84,7 +112,10 @@ class TorchPolicyBackend(PolicyBackend):
         with torch.inference_mode():
             mean_t, log_std_t = self.policy.distribution(torch.from_numpy(obs))
             mean, log_std = mean_t.numpy(), log_std_t.numpy()
+            values = self.policy.value(torch.from_numpy(obs)).numpy() if self.compute_values else None
         noise = self._rng.standard_normal(mean.shape, dtype=np.float32)
         actions = mean + noise * np.exp(log_std)
         log_probs = -0.5 * (noise * noise + _LOG_2PI).sum(-1) - log_std.sum()
-        return PolicyResult(actions=actions, log_probs=log_probs.astype(np.float32, copy=False))
+        return PolicyResult(
+            actions=actions, log_probs=log_probs.astype(np.float32, copy=False), values=values
+        )

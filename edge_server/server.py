@@ -15,14 +15,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.service import EdgePolicyServicer
+from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EdgePolicy"].full_name
+LEARNER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Learner"].full_name
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -46,6 +49,8 @@ class ServerConfig:
     """Most envs one stream may declare."""
     grace_s: float = 5.0
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
+    learner: TransitionConfig | None = None
+    """Serve the Learner service (transitions out, weights in) with these settings; None: off."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +105,12 @@ class EdgeServer:
             max_message_bytes=cfg.max_message_bytes,
             max_envs_per_stream=cfg.max_envs_per_stream,
         )
+        self.store = TransitionStore(cfg.learner, backend.obs_shape) if cfg.learner else None
+        self.learner = (
+            LearnerServicer(self.store, self.batcher, backend, max_message_bytes=cfg.max_message_bytes)
+            if self.store is not None
+            else None
+        )
         self.servicer = EdgePolicyServicer(
             self.batcher,
             backend,
@@ -108,6 +119,7 @@ class EdgeServer:
             obs_low=obs_low,
             obs_high=obs_high,
             server_version=package_version(),
+            store=self.store,
         )
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -134,13 +146,13 @@ class EdgeServer:
         ]
         server = grpc.aio.server(options=options)
         pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
+        services = [SERVICE_NAME]
+        if self.learner is not None:
+            pb_grpc.add_LearnerServicer_to_server(self.learner, server)
+            services.append(LEARNER_SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
         host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
@@ -149,7 +161,7 @@ class EdgeServer:
             raise OSError(f"could not bind {host}:{cfg.port}")
         await server.start()
         self._server = server
-        for name in ("", SERVICE_NAME):
+        for name in ("", *services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "edge server on %s (backend %s, version %d)",
@@ -175,14 +187,18 @@ class EdgeServer:
             await self._server.wait_for_termination()
 
 
-async def serve_until_signal(server: EdgeServer, on_ready: asyncio.Future[int] | None = None) -> None:
-    """Start ``server``, run until SIGINT/SIGTERM, then shut it down gracefully."""
+async def serve_until_signal(
+    server: EdgeServer,
+    on_ready: asyncio.Future[int] | None = None,
+    signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> None:
+    """Start ``server``, run until one of ``signals`` arrives, then shut it down gracefully."""
     port = await server.start()
     if on_ready is not None:
         on_ready.set_result(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()

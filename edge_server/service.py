@@ -15,10 +15,12 @@ from edgerl.edge_server.batcher import (
     BatchResult,
     DynamicBatcher,
     QueueFullError,
+    StreamSlots,
     TooManyInflightError,
     percentile,
 )
 from edgerl.edge_server.policy import PolicyBackend
+from edgerl.edge_server.transitions import EnvBusyError, StreamHandle, TransitionStore
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -33,6 +35,7 @@ class _Pending:
     seq: int
     env_ids: list[int]
     future: asyncio.Future[BatchResult]
+    handle: StreamHandle | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         obs_low: np.ndarray | None = None,
         obs_high: np.ndarray | None = None,
         server_version: str = "",
+        store: TransitionStore | None = None,
     ) -> None:
         self.batcher = batcher
+        self.store = store
         self.backend = backend
         self.env_name = env_name
         self.limits = limits
@@ -92,8 +97,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self, request_iterator: AsyncIterator[pb.ActRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ActResponse]:
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
-        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending))
+        handles: list[StreamHandle] = []
+        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending, handles))
         self.active_streams += 1
+        store = self.store
         try:
             while True:
                 item = await pending.get()
@@ -104,17 +111,38 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     return
                 try:
                     res = await item.future
+                except QueueFullError as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                    return
+                except BatcherClosedError as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    return
                 except Exception as exc:
                     await context.abort(grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}")
                     return
+                if store is not None and item.handle is not None:
+                    store.record(item.handle, np.asarray(item.env_ids), res)
                 yield _response(item.seq, item.env_ids, res)
         finally:
             self.active_streams -= 1
             reader.cancel()
+            while not pending.empty():  # requests still waiting for admission go with the stream
+                left = pending.get_nowait()
+                if isinstance(left, _Pending) and isinstance(left.future, asyncio.Task):
+                    left.future.cancel()
+            if store is not None:
+                for handle in handles:
+                    store.close_stream(handle)
 
     async def _read_stream(
-        self, requests: AsyncIterator[pb.ActRequest], out: asyncio.Queue[_Pending | _Abort | None]
+        self,
+        requests: AsyncIterator[pb.ActRequest],
+        out: asyncio.Queue[_Pending | _Abort | None],
+        handles: list[StreamHandle],
     ) -> None:
+        store = self.store
+        handle: StreamHandle | None = None
+        waiting = [0]  # requests of this stream waiting for admission
         spec: StreamSpec | None = None
         slots = None
         seq = 0
@@ -132,21 +160,54 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         )
                     spec = check_hello(req.hello, self.obs_shape, self.limits.max_envs_per_stream)
                     slots = self.batcher.open_stream(spec.max_inflight)
+                    if store is not None:
+                        handle = store.open_stream(spec.session_id, spec.num_envs)
+                        handles.append(handle)
                     log.info("stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
                     continue
                 if kind != "step":
                     raise InvalidRequestError(
                         grpc.StatusCode.FAILED_PRECONDITION, "hello: sent twice on one stream"
                     )
-                obs, env_ids = check_step(req.step, spec, seq, self.obs_shape, self.limits.max_batch_size)
+                step = req.step
+                obs, env_ids = check_step(step, spec, seq, self.obs_shape, self.limits.max_batch_size)
+                if store is not None and handle is not None:
+                    n = len(env_ids)
+                    fallback = np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool)
+                    store.observe(
+                        handle,
+                        np.asarray(env_ids),
+                        obs,
+                        rewards=np.asarray(step.rewards, np.float32),
+                        terminated=np.asarray(step.terminated, bool),
+                        truncated=np.asarray(step.truncated, bool),
+                        fallback=fallback,
+                    )
+                    if not store.try_admit(n) and slots is not None:
+                        # Wait for admission off the read path: the stream's other messages
+                        # must still be read (they complete rows the trainer is waiting for).
+                        if slots.outstanding + waiting[0] >= slots.max_inflight:
+                            raise TooManyInflightError(
+                                f"step: {slots.outstanding + waiting[0]} requests already unanswered, "
+                                f"the stream declared max_inflight={slots.max_inflight}"
+                            )
+                        task = asyncio.get_running_loop().create_task(
+                            self._admit_and_submit(store, n, obs, slots, waiting)
+                        )
+                        out.put_nowait(_Pending(seq, env_ids, task, handle))
+                        seq += 1
+                        continue
                 future = self.batcher.submit(obs, slots)
-                out.put_nowait(_Pending(seq, env_ids, future))
+                out.put_nowait(_Pending(seq, env_ids, future, handle))
                 seq += 1
             out.put_nowait(_END)
         except InvalidRequestError as exc:
             self.rejected_invalid += 1
             log.warning("stream %s rejected: %s", spec.session_id if spec else "?", exc.message)
             out.put_nowait(_Abort(exc.code, exc.message))
+        except EnvBusyError as exc:
+            self.rejected_invalid += 1
+            out.put_nowait(_Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)))
         except QueueFullError as exc:
             out.put_nowait(_Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except TooManyInflightError as exc:
@@ -163,6 +224,16 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         finally:
             if slots is not None:
                 self.batcher.close_stream(slots)
+
+    async def _admit_and_submit(
+        self, store: TransitionStore, rows: int, obs: np.ndarray, slots: StreamSlots, waiting: list[int]
+    ) -> BatchResult:
+        waiting[0] += 1
+        try:
+            await store.admit(rows)
+        finally:
+            waiting[0] -= 1
+        return await self.batcher.submit(obs, slots)
 
     # -- unary RPCs --------------------------------------------------------------------------------
     async def ActUnary(  # noqa: N802
@@ -212,4 +283,19 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             inference_us_p50=percentile(st.inference_us, 50),
             inference_us_p99=percentile(st.inference_us, 99),
             policy_version=self.backend.version,
+            **self._transition_stats(),
         )
+
+    def _transition_stats(self) -> dict[str, int]:
+        if self.store is None:
+            return {}
+        c = self.store.counters
+        return {
+            "transitions": c.transitions,
+            "segments_acked": c.segments_acked,
+            "transitions_pending": self.store.pending_steps,
+            "transitions_dropped_overflow": c.transitions_dropped_overflow,
+            "transitions_dropped_disconnect": c.transitions_dropped_disconnect,
+            "backpressure_wait_us": self.store.backpressure_wait_us(),
+            "weight_publishes": c.weight_publishes,
+        }

@@ -91,6 +91,8 @@ def check_step(
         got = len(getattr(step, name))
         if got != n:
             raise _invalid(f"step.{name}: expected {n} values (one per env id), got {got}")
+    if step.fallback and len(step.fallback) != n:
+        raise _invalid(f"step.fallback: expected 0 or {n} values (one per env id), got {len(step.fallback)}")
     obs = check_obs(step.obs, "step.obs", obs_shape, n, max_rows)
     if not np.isfinite(np.asarray(step.rewards, dtype=np.float32)).all():
         raise _invalid("step.rewards: contains NaN or Inf")

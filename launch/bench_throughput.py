@@ -76,8 +76,8 @@ def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
 def run_sync_inprocess(cfg: ThroughputConfig) -> float:
     import torch
 
-    from edgerl.edge_server.models import build_policy
     from edgerl.edge_server.policy import TorchPolicyBackend
+    from edgerl.models import build_policy
     from edgerl.sim.envs import env_spec, make_vector_env
 
     torch.set_num_threads(cfg.torch_threads)

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 
-from edgerl.edge_server.models import POLICY_PRESETS
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
+from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
+from edgerl.models import POLICY_PRESETS
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 
@@ -184,7 +186,112 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     _add_common(p)
+
+    p = bsub.add_parser(
+        "learn",
+        formatter_class=_FMT,
+        help="return and env steps/s of full training runs over seeds",
+        description="Train N seeds end to end (fresh server, workers and trainer each) and "
+        "summarise return, steps/s, wall time and staleness; --sync adds the lockstep baseline.",
+    )
+    _add_train_options(p, steps_help="env steps per seed (default: 1,000,000 for MuJoCo locomotion")
+    p.add_argument("--seeds", type=int, default=3, help="seeds to run (seed, seed+1, ...)")
+    p.add_argument(
+        "--sync", action="store_true", help="also run every seed in synchronous mode, side by side"
+    )
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "train",
+        formatter_class=_FMT,
+        help="train a policy: edge server + sim workers + PPO trainer on loopback",
+        description="Train with PPO through the edge server. With no option: a short "
+        f"{DEMO_ENV} demo that learns in a few minutes. Settings come from the defaults, "
+        "then the config file (--config, or the tuned one shipped for --env), then flags, then --set.",
+    )
+    _add_train_options(p, steps_help="env steps to learn from (default: 100,000, or the env's config file")
+    p.add_argument("--sync", action="store_true", help="synchronous lockstep baseline (staleness 0)")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    _add_common(p)
     return parser
+
+
+def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
+    s = argparse.SUPPRESS  # unset flags fall through to the config file
+    p.add_argument("--env", default=s, help=f"gymnasium id of the task (default: {DEMO_ENV})")
+    p.add_argument(
+        "--envs", type=int, default=s, help="envs in total (default: 16, or the env's config file)"
+    )
+    p.add_argument("--steps", type=int, default=s, help=steps_help + ")")
+    p.add_argument("--seed", type=int, default=s, help="first seed: weights, envs, sampling (default: 0)")
+    p.add_argument(
+        "--policy",
+        default=s,
+        choices=sorted(POLICY_PRESETS),
+        help="network preset (default: mlp-small, CleanRL's 64x64)",
+    )
+    p.add_argument(
+        "--segment-steps",
+        type=int,
+        default=s,
+        help="rollout length per env per update; batch = envs x segment steps (default: 32)",
+    )
+    p.add_argument("--workers", type=int, default=s, help="sim worker processes (default: 1)")
+    p.add_argument(
+        "--config", metavar="TOML", default=s, help="config file (default: launch/configs/ENV.toml)"
+    )
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override any setting, e.g. ppo.learning_rate=1e-3 (repeatable)",
+    )
+    p.add_argument("--run-dir", default=s, help="output folder (default: runs/ENV-sSEED-TIME)")
+
+
+def _train_config(a: argparse.Namespace) -> RunConfig:
+    flags = {k: getattr(a, k, None) for k in ("envs", "steps", "seed", "policy", "segment_steps", "workers")}
+    flags["run_dir"] = getattr(a, "run_dir", None)
+    if getattr(a, "sync", False) and a.command == "train":
+        flags["sync"] = True
+    cfg, sources = load_config(getattr(a, "env", None), getattr(a, "config", None), flags, a.set)
+    print(f"edgerl: config from {' < '.join(sources)}", file=sys.stderr)
+    return cfg
+
+
+def _train(a: argparse.Namespace) -> int:
+    from edgerl.launch.rollout import format_summary
+    from edgerl.launch.train import run_training
+
+    cfg = _train_config(a)
+    if a.resume and not cfg.run_dir:
+        raise ValueError("--resume needs --run-dir (the run to continue)")
+    summary = run_training(cfg, resume=a.resume, log_level=a.log_level)
+    print(format_summary(summary))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def _bench_learn(a: argparse.Namespace) -> int:
+    from edgerl.launch import bench_learn as bl
+    from edgerl.launch import bench_throughput as bt
+
+    cfg = _train_config(a)
+    if getattr(a, "steps", None) is None and cfg.env != DEMO_ENV:
+        cfg = dataclasses.replace(cfg, steps=1_000_000)
+    result = bl.run(cfg, a.seeds, with_sync=a.sync, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(bl.format_table(result), file=sys.stderr)
+    print(json.dumps(result))
+    if a.json:
+        bt.write_json(result, a.json)
+    return 0
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -277,19 +384,18 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
+_COMMANDS = {"serve": _serve, "sim": _sim, "rollout": _rollout, "train": _train}
+_BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    command = _BENCHES[args.bench] if args.command == "bench" else _COMMANDS[args.command]
     try:
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "sim":
-            return _sim(args)
-        if args.command == "rollout":
-            return _rollout(args)
-        return _bench_throughput(args)
-    except ValueError as exc:  # bad option values, e.g. from a config __post_init__
-        print(f"edgerl: error: {exc}", file=sys.stderr)
+        return command(args)
+    except (ValueError, KeyError, FileNotFoundError) as exc:  # bad option values or config files
+        print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import queue
+import signal
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
@@ -38,20 +39,24 @@ class PolicySpec:
     env_name: str = "HalfCheetah-v5"
     """Gymnasium id whose spaces the policy is built for."""
     preset: str = "mlp"
-    """Network preset (see ``edgerl.edge_server.models.POLICY_PRESETS``)."""
+    """Network preset (see ``edgerl.models.POLICY_PRESETS``)."""
     seed: int = 0
     """Seed of the initial weights and of action sampling."""
     torch_threads: int = 1
     """Threads torch may use for inference."""
+    compute_values: bool = False
+    """Evaluate the critic with each batch, so transitions carry the served value."""
+    checkpoint: str = ""
+    """Start from this trainer checkpoint (weights and version) instead of fresh weights."""
 
 
 def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
     """An :class:`EdgeServer` serving a freshly initialised torch policy."""
     import torch
 
-    from edgerl.edge_server.models import build_policy
     from edgerl.edge_server.policy import TorchPolicyBackend
     from edgerl.edge_server.server import EdgeServer
+    from edgerl.models import build_policy
     from edgerl.sim.envs import env_spec
 
     torch.set_num_threads(policy.torch_threads)
@@ -59,7 +64,19 @@ def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
     net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0], seed=policy.seed)
-    backend = TorchPolicyBackend(net, spec.act_low, spec.act_high, seed=policy.seed)
+    version = 0
+    if policy.checkpoint:
+        payload = torch.load(policy.checkpoint, weights_only=False)
+        net.load_state_dict(payload["policy"])
+        version = int(payload["state"]["version"])
+    backend = TorchPolicyBackend(
+        net,
+        spec.act_low,
+        spec.act_high,
+        seed=policy.seed,
+        version=version,
+        compute_values=policy.compute_values,
+    )
     return EdgeServer(backend, config, env_name=policy.env_name, obs_low=spec.obs_low, obs_high=spec.obs_high)
 
 
@@ -69,12 +86,14 @@ def _server_main(
     from edgerl.edge_server.server import serve_until_signal
 
     configure_logging(log_level)
+    # The parent owns this process: it stops it with SIGTERM; Ctrl-C in the terminal is the parent's.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     async def main() -> None:
         server = build_server(policy, config)
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(f.result()))
-        await serve_until_signal(server, ready)
+        await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     try:
         asyncio.run(main())
@@ -180,6 +199,7 @@ def _worker_main(
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
 
     configure_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared event
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
 

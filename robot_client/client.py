@@ -108,8 +108,13 @@ class ActStream:
         rewards: np.ndarray | Sequence[float],
         terminated: np.ndarray | Sequence[bool],
         truncated: np.ndarray | Sequence[bool],
+        *,
+        fallback: np.ndarray | Sequence[bool] | None = None,
     ) -> int:
         """Send the observations of ``env_ids`` and what their previous actions earned.
+
+        ``fallback`` marks envs whose previous applied action was not the policy's
+        (e.g. a watchdog fallback); the trainer keeps those steps out of the policy loss.
 
         Returns:
             The message's sequence number.
@@ -131,6 +136,7 @@ class ActStream:
                 rewards=np.asarray(rewards, dtype=np.float32).tolist(),
                 terminated=np.asarray(terminated, dtype=bool).tolist(),
                 truncated=np.asarray(truncated, dtype=bool).tolist(),
+                fallback=[] if fallback is None else np.asarray(fallback, dtype=bool).tolist(),
             )
         )
         await self._flush()

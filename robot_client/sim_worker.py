@@ -9,6 +9,7 @@ and the other half's gRPC work (double buffering).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -164,7 +165,21 @@ class SimWorker:
                         max_inflight=cfg.groups,
                     )
                     self._answered = False
-                    await self._pump(stream, info.act_low, info.act_high, should_stop)
+                    pump = asyncio.ensure_future(self._pump(stream, info.act_low, info.act_high, should_stop))
+                    try:
+                        # Stop promptly even while an answer is pending (e.g. held by backpressure).
+                        while not pump.done():
+                            await asyncio.wait({pump}, timeout=0.1)
+                            if not pump.done() and self._done(should_stop):
+                                pump.cancel()
+                                with contextlib.suppress(asyncio.CancelledError):
+                                    await pump
+                                break
+                        if not pump.cancelled():
+                            pump.result()
+                    finally:
+                        if not pump.done():
+                            pump.cancel()
                     await stream.close()
                     return self.progress
             except errors.ServerUnavailableError as exc:

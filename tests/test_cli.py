@@ -22,7 +22,9 @@ def _edgerl(args: str, json_path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("command", [["serve"], ["sim"], ["rollout"], ["bench", "throughput"]])
+@pytest.mark.parametrize(
+    "command", [["serve"], ["sim"], ["rollout"], ["train"], ["bench", "throughput"], ["bench", "learn"]]
+)
 def test_help_explains_every_option_with_its_default(command: list[str]) -> None:
     env = {**os.environ, "COLUMNS": "400"}  # one line per option
     out = subprocess.run([*EDGERL, *command, "--help"], capture_output=True, text=True, check=True, env=env)
@@ -38,7 +40,7 @@ def test_help_explains_every_option_with_its_default(command: list[str]) -> None
 
 def test_top_level_help_lists_the_subcommands() -> None:
     out = subprocess.run([*EDGERL, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "sim", "rollout", "bench"):
+    for command in ("serve", "sim", "rollout", "train", "bench"):
         assert f"    {command} " in out
 
 

@@ -20,7 +20,7 @@ def _imports(folder: str) -> set[str]:
     return names
 
 
-FOLDERS = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch")
+FOLDERS = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch", "models")
 
 
 def _outside_repo(code: str, tmp_path: Path) -> str:
@@ -50,6 +50,7 @@ def test_dependencies_point_one_way() -> None:
     assert not any(n.startswith(("grpc", "edgerl.proto", "edgerl.robot_client")) for n in _imports("sim"))
     assert not any(n.startswith("edgerl.trainer") for n in _imports("edge_server"))
     assert not any(n.startswith("edgerl.edge_server") for n in _imports("trainer"))
+    assert all(n == "edgerl.models.mlp" for n in _imports("models") if n.startswith("edgerl"))
 
 
 def test_sim_workers_do_not_import_torch() -> None:

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from edgerl.edge_server.models import RunningNorm, build_policy, gaussian_log_prob
 from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.models import RunningNorm, build_policy, gaussian_log_prob
 
 
 def test_running_norm_matches_numpy_over_batches() -> None:

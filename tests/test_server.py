@@ -11,9 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from edgerl.edge_server.models import build_policy
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import SERVICE_NAME, EdgeServer, ServerConfig
+from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors

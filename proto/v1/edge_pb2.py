@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65\x64gerl/v1/edge.proto\x12\tedgerl.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.edgerl.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"U\n\x08\x42oxSpace\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.edgerl.v1.DType\x12\x0b\n\x03low\x18\x03 \x03(\x02\x12\x0c\n\x04high\x18\x04 \x03(\x02\"n\n\x0bStreamHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12\x10\n\x08num_envs\x18\x03 \x01(\r\x12\x11\n\tobs_shape\x18\x04 \x03(\x03\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\"\x87\x01\n\x0fStepObservation\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x65nv_ids\x18\x02 \x03(\r\x12\x1e\n\x03obs\x18\x03 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\x0f\n\x07rewards\x18\x04 \x03(\x02\x12\x12\n\nterminated\x18\x05 \x03(\x08\x12\x11\n\ttruncated\x18\x06 \x03(\x08\"i\n\nActRequest\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.edgerl.v1.StreamHelloH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.edgerl.v1.StepObservationH\x00\x42\x06\n\x04kind\"\xbb\x01\n\x0b\x41\x63tResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x65nv_ids\x18\x02 \x03(\r\x12\"\n\x07\x61\x63tions\x18\x03 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x15\n\rqueue_wait_us\x18\x06 \x01(\x04\x12\x14\n\x0cinference_us\x18\x07 \x01(\x04\x12\x12\n\nbatch_rows\x18\x08 \x01(\r\"1\n\x0f\x41\x63tUnaryRequest\x12\x1e\n\x03obs\x18\x01 \x01(\x0b\x32\x11.edgerl.v1.Tensor\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x01\n\x0cServerLimits\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\x14\n\x0cmax_delay_us\x18\x02 \x01(\x04\x12\x16\n\x0emax_queue_rows\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13max_envs_per_stream\x18\x05 \x01(\r\"\xe9\x01\n\x10\x44\x65scribeResponse\x12.\n\x11observation_space\x18\x01 \x01(\x0b\x32\x13.edgerl.v1.BoxSpace\x12)\n\x0c\x61\x63tion_space\x18\x02 \x01(\x0b\x32\x13.edgerl.v1.BoxSpace\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.edgerl.v1.ServerLimits\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x06 \x01(\t\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\xa9\x02\n\rStatsResponse\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_rows\x18\x04 \x01(\r\x12\x1b\n\x13rejected_queue_full\x18\x05 \x01(\x04\x12\x18\n\x10rejected_invalid\x18\x06 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\r\x12\x19\n\x11queue_wait_us_p50\x18\x08 \x01(\x04\x12\x19\n\x11queue_wait_us_p99\x18\t \x01(\x04\x12\x18\n\x10inference_us_p50\x18\n \x01(\x04\x12\x18\n\x10inference_us_p99\x18\x0b \x01(\x04\x12\x16\n\x0epolicy_version\x18\x0c \x01(\x04*p\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05UINT8\x10\x05\x12\x08\n\x04\x42OOL\x10\x06\x12\x0b\n\x07\x46LOAT16\x10\x07\x32\x87\x02\n\nEdgePolicy\x12\x38\n\x03\x41\x63t\x12\x15.edgerl.v1.ActRequest\x1a\x16.edgerl.v1.ActResponse(\x01\x30\x01\x12>\n\x08\x41\x63tUnary\x12\x1a.edgerl.v1.ActUnaryRequest\x1a\x16.edgerl.v1.ActResponse\x12\x43\n\x08\x44\x65scribe\x12\x1a.edgerl.v1.DescribeRequest\x1a\x1b.edgerl.v1.DescribeResponse\x12:\n\x05Stats\x12\x17.edgerl.v1.StatsRequest\x1a\x18.edgerl.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65\x64gerl/v1/edge.proto\x12\tedgerl.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.edgerl.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"U\n\x08\x42oxSpace\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.edgerl.v1.DType\x12\x0b\n\x03low\x18\x03 \x03(\x02\x12\x0c\n\x04high\x18\x04 \x03(\x02\"n\n\x0bStreamHello\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x02 \x01(\t\x12\x10\n\x08num_envs\x18\x03 \x01(\r\x12\x11\n\tobs_shape\x18\x04 \x03(\x03\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\r\"\x99\x01\n\x0fStepObservation\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x65nv_ids\x18\x02 \x03(\r\x12\x1e\n\x03obs\x18\x03 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\x0f\n\x07rewards\x18\x04 \x03(\x02\x12\x12\n\nterminated\x18\x05 \x03(\x08\x12\x11\n\ttruncated\x18\x06 \x03(\x08\x12\x10\n\x08\x66\x61llback\x18\x07 \x03(\x08\"i\n\nActRequest\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.edgerl.v1.StreamHelloH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.edgerl.v1.StepObservationH\x00\x42\x06\n\x04kind\"\xbb\x01\n\x0b\x41\x63tResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x65nv_ids\x18\x02 \x03(\r\x12\"\n\x07\x61\x63tions\x18\x03 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x15\n\rqueue_wait_us\x18\x06 \x01(\x04\x12\x14\n\x0cinference_us\x18\x07 \x01(\x04\x12\x12\n\nbatch_rows\x18\x08 \x01(\r\"1\n\x0f\x41\x63tUnaryRequest\x12\x1e\n\x03obs\x18\x01 \x01(\x0b\x32\x11.edgerl.v1.Tensor\"\x11\n\x0f\x44\x65scribeRequest\"\x8c\x01\n\x0cServerLimits\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\x14\n\x0cmax_delay_us\x18\x02 \x01(\x04\x12\x16\n\x0emax_queue_rows\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x1b\n\x13max_envs_per_stream\x18\x05 \x01(\r\"\xe9\x01\n\x10\x44\x65scribeResponse\x12.\n\x11observation_space\x18\x01 \x01(\x0b\x32\x13.edgerl.v1.BoxSpace\x12)\n\x0c\x61\x63tion_space\x18\x02 \x01(\x0b\x32\x13.edgerl.v1.BoxSpace\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\'\n\x06limits\x18\x04 \x01(\x0b\x32\x17.edgerl.v1.ServerLimits\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x10\n\x08\x65nv_name\x18\x06 \x01(\t\x12\x16\n\x0eserver_version\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\xf9\x03\n\rStatsResponse\x12\x10\n\x08requests\x18\x01 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x16\n\x0emax_batch_rows\x18\x04 \x01(\r\x12\x1b\n\x13rejected_queue_full\x18\x05 \x01(\x04\x12\x18\n\x10rejected_invalid\x18\x06 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\r\x12\x19\n\x11queue_wait_us_p50\x18\x08 \x01(\x04\x12\x19\n\x11queue_wait_us_p99\x18\t \x01(\x04\x12\x18\n\x10inference_us_p50\x18\n \x01(\x04\x12\x18\n\x10inference_us_p99\x18\x0b \x01(\x04\x12\x16\n\x0epolicy_version\x18\x0c \x01(\x04\x12\x13\n\x0btransitions\x18\r \x01(\x04\x12\x16\n\x0esegments_acked\x18\x0e \x01(\x04\x12\x1b\n\x13transitions_pending\x18\x0f \x01(\x04\x12$\n\x1ctransitions_dropped_overflow\x18\x10 \x01(\x04\x12&\n\x1etransitions_dropped_disconnect\x18\x11 \x01(\x04\x12\x1c\n\x14\x62\x61\x63kpressure_wait_us\x18\x12 \x01(\x04\x12\x18\n\x10weight_publishes\x18\x13 \x01(\x04\"\xdd\x02\n\x07Segment\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06\x65nv_id\x18\x03 \x01(\r\x12\x0f\n\x07\x65pisode\x18\x04 \x01(\x04\x12\t\n\x01t\x18\x05 \x01(\x04\x12\x1e\n\x03obs\x18\x06 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\"\n\x07\x61\x63tions\x18\x07 \x01(\x0b\x32\x11.edgerl.v1.Tensor\x12\x11\n\tlog_probs\x18\x08 \x03(\x02\x12\x0e\n\x06values\x18\t \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\n \x03(\x04\x12\x0f\n\x07rewards\x18\x0b \x03(\x02\x12\x12\n\nterminated\x18\x0c \x03(\x08\x12\x11\n\ttruncated\x18\r \x03(\x08\x12\x10\n\x08\x66\x61llback\x18\x0e \x03(\x08\x12\x11\n\tautoreset\x18\x0f \x03(\x08\x12(\n\rbootstrap_obs\x18\x10 \x01(\x0b\x32\x11.edgerl.v1.Tensor\"L\n\rTransitionAck\x12\x11\n\tacked_seq\x18\x01 \x01(\x04\x12\x14\n\x0cwindow_steps\x18\x02 \x01(\x04\x12\x12\n\ntrainer_id\x18\x03 \x01(\t\"7\n\x0fTransitionBatch\x12$\n\x08segments\x18\x01 \x03(\x0b\x32\x12.edgerl.v1.Segment\"\xab\x01\n\x15PublishWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12>\n\x07tensors\x18\x02 \x03(\x0b\x32-.edgerl.v1.PublishWeightsRequest.TensorsEntry\x1a\x41\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12 \n\x05value\x18\x02 \x01(\x0b\x32\x11.edgerl.v1.Tensor:\x02\x38\x01\"R\n\x16PublishWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0f\n\x07swap_us\x18\x03 \x01(\x04*p\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\t\n\x05INT32\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05UINT8\x10\x05\x12\x08\n\x04\x42OOL\x10\x06\x12\x0b\n\x07\x46LOAT16\x10\x07\x32\x87\x02\n\nEdgePolicy\x12\x38\n\x03\x41\x63t\x12\x15.edgerl.v1.ActRequest\x1a\x16.edgerl.v1.ActResponse(\x01\x30\x01\x12>\n\x08\x41\x63tUnary\x12\x1a.edgerl.v1.ActUnaryRequest\x1a\x16.edgerl.v1.ActResponse\x12\x43\n\x08\x44\x65scribe\x12\x1a.edgerl.v1.DescribeRequest\x1a\x1b.edgerl.v1.DescribeResponse\x12:\n\x05Stats\x12\x17.edgerl.v1.StatsRequest\x1a\x18.edgerl.v1.StatsResponse2\xaf\x01\n\x07Learner\x12M\n\x11StreamTransitions\x12\x18.edgerl.v1.TransitionAck\x1a\x1a.edgerl.v1.TransitionBatch(\x01\x30\x01\x12U\n\x0ePublishWeights\x12 .edgerl.v1.PublishWeightsRequest\x1a!.edgerl.v1.PublishWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'edgerl.v1.edge_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1506
-  _globals['_DTYPE']._serialized_end=1618
+  _globals['_PUBLISHWEIGHTSREQUEST_TENSORSENTRY']._loaded_options = None
+  _globals['_PUBLISHWEIGHTSREQUEST_TENSORSENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=2477
+  _globals['_DTYPE']._serialized_end=2589
   _globals['_TENSOR']._serialized_start=35
   _globals['_TENSOR']._serialized_end=105
   _globals['_BOXSPACE']._serialized_start=107
@@ -40,23 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMHELLO']._serialized_start=194
   _globals['_STREAMHELLO']._serialized_end=304
   _globals['_STEPOBSERVATION']._serialized_start=307
-  _globals['_STEPOBSERVATION']._serialized_end=442
-  _globals['_ACTREQUEST']._serialized_start=444
-  _globals['_ACTREQUEST']._serialized_end=549
-  _globals['_ACTRESPONSE']._serialized_start=552
-  _globals['_ACTRESPONSE']._serialized_end=739
-  _globals['_ACTUNARYREQUEST']._serialized_start=741
-  _globals['_ACTUNARYREQUEST']._serialized_end=790
-  _globals['_DESCRIBEREQUEST']._serialized_start=792
-  _globals['_DESCRIBEREQUEST']._serialized_end=809
-  _globals['_SERVERLIMITS']._serialized_start=812
-  _globals['_SERVERLIMITS']._serialized_end=952
-  _globals['_DESCRIBERESPONSE']._serialized_start=955
-  _globals['_DESCRIBERESPONSE']._serialized_end=1188
-  _globals['_STATSREQUEST']._serialized_start=1190
-  _globals['_STATSREQUEST']._serialized_end=1204
-  _globals['_STATSRESPONSE']._serialized_start=1207
-  _globals['_STATSRESPONSE']._serialized_end=1504
-  _globals['_EDGEPOLICY']._serialized_start=1621
-  _globals['_EDGEPOLICY']._serialized_end=1884
+  _globals['_STEPOBSERVATION']._serialized_end=460
+  _globals['_ACTREQUEST']._serialized_start=462
+  _globals['_ACTREQUEST']._serialized_end=567
+  _globals['_ACTRESPONSE']._serialized_start=570
+  _globals['_ACTRESPONSE']._serialized_end=757
+  _globals['_ACTUNARYREQUEST']._serialized_start=759
+  _globals['_ACTUNARYREQUEST']._serialized_end=808
+  _globals['_DESCRIBEREQUEST']._serialized_start=810
+  _globals['_DESCRIBEREQUEST']._serialized_end=827
+  _globals['_SERVERLIMITS']._serialized_start=830
+  _globals['_SERVERLIMITS']._serialized_end=970
+  _globals['_DESCRIBERESPONSE']._serialized_start=973
+  _globals['_DESCRIBERESPONSE']._serialized_end=1206
+  _globals['_STATSREQUEST']._serialized_start=1208
+  _globals['_STATSREQUEST']._serialized_end=1222
+  _globals['_STATSRESPONSE']._serialized_start=1225
+  _globals['_STATSRESPONSE']._serialized_end=1730
+  _globals['_SEGMENT']._serialized_start=1733
+  _globals['_SEGMENT']._serialized_end=2082
+  _globals['_TRANSITIONACK']._serialized_start=2084
+  _globals['_TRANSITIONACK']._serialized_end=2160
+  _globals['_TRANSITIONBATCH']._serialized_start=2162
+  _globals['_TRANSITIONBATCH']._serialized_end=2217
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_start=2220
+  _globals['_PUBLISHWEIGHTSREQUEST']._serialized_end=2391
+  _globals['_PUBLISHWEIGHTSREQUEST_TENSORSENTRY']._serialized_start=2326
+  _globals['_PUBLISHWEIGHTSREQUEST_TENSORSENTRY']._serialized_end=2391
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_start=2393
+  _globals['_PUBLISHWEIGHTSRESPONSE']._serialized_end=2475
+  _globals['_EDGEPOLICY']._serialized_start=2592
+  _globals['_EDGEPOLICY']._serialized_end=2855
+  _globals['_LEARNER']._serialized_start=2858
+  _globals['_LEARNER']._serialized_end=3033
 # @@protoc_insertion_point(module_scope)

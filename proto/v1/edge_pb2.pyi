@@ -63,20 +63,22 @@ class StreamHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ...) -> None: ...
 
 class StepObservation(_message.Message):
-    __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated")
+    __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENV_IDS_FIELD_NUMBER: _ClassVar[int]
     OBS_FIELD_NUMBER: _ClassVar[int]
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     seq: int
     env_ids: _containers.RepeatedScalarFieldContainer[int]
     obs: Tensor
     rewards: _containers.RepeatedScalarFieldContainer[float]
     terminated: _containers.RepeatedScalarFieldContainer[bool]
     truncated: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, seq: _Optional[int] = ..., env_ids: _Optional[_Iterable[int]] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ...) -> None: ...
+    fallback: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, seq: _Optional[int] = ..., env_ids: _Optional[_Iterable[int]] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ActRequest(_message.Message):
     __slots__ = ("hello", "step")
@@ -153,7 +155,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version")
+    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,13 @@ class StatsResponse(_message.Message):
     INFERENCE_US_P50_FIELD_NUMBER: _ClassVar[int]
     INFERENCE_US_P99_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_DROPPED_OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    TRANSITIONS_DROPPED_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
+    BACKPRESSURE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     requests: int
     batches: int
     rows: int
@@ -178,4 +187,88 @@ class StatsResponse(_message.Message):
     inference_us_p50: int
     inference_us_p99: int
     policy_version: int
-    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    transitions: int
+    segments_acked: int
+    transitions_pending: int
+    transitions_dropped_overflow: int
+    transitions_dropped_disconnect: int
+    backpressure_wait_us: int
+    weight_publishes: int
+    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("seq", "session_id", "env_id", "episode", "t", "obs", "actions", "log_probs", "values", "policy_versions", "rewards", "terminated", "truncated", "fallback", "autoreset", "bootstrap_obs")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    T_FIELD_NUMBER: _ClassVar[int]
+    OBS_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    AUTORESET_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_OBS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    session_id: str
+    env_id: int
+    episode: int
+    t: int
+    obs: Tensor
+    actions: Tensor
+    log_probs: _containers.RepeatedScalarFieldContainer[float]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    rewards: _containers.RepeatedScalarFieldContainer[float]
+    terminated: _containers.RepeatedScalarFieldContainer[bool]
+    truncated: _containers.RepeatedScalarFieldContainer[bool]
+    fallback: _containers.RepeatedScalarFieldContainer[bool]
+    autoreset: _containers.RepeatedScalarFieldContainer[bool]
+    bootstrap_obs: Tensor
+    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ..., env_id: _Optional[int] = ..., episode: _Optional[int] = ..., t: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., log_probs: _Optional[_Iterable[float]] = ..., values: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ..., autoreset: _Optional[_Iterable[bool]] = ..., bootstrap_obs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class TransitionAck(_message.Message):
+    __slots__ = ("acked_seq", "window_steps", "trainer_id")
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    acked_seq: int
+    window_steps: int
+    trainer_id: str
+    def __init__(self, acked_seq: _Optional[int] = ..., window_steps: _Optional[int] = ..., trainer_id: _Optional[str] = ...) -> None: ...
+
+class TransitionBatch(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("version", "tensors")
+    class TensorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.MessageMap[str, Tensor]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "applied", "swap_us")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    SWAP_US_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    applied: bool
+    swap_us: int
+    def __init__(self, policy_version: _Optional[int] = ..., applied: _Optional[bool] = ..., swap_us: _Optional[int] = ...) -> None: ...

@@ -233,3 +233,130 @@ class EdgePolicy:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class LearnerStub:
+    """The trainer's side of the edge server. Separate from EdgePolicy so that a
+    deployment can require trainer credentials for it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StreamTransitions = channel.stream_stream(
+                '/edgerl.v1.Learner/StreamTransitions',
+                request_serializer=edgerl_dot_v1_dot_edge__pb2.TransitionAck.SerializeToString,
+                response_deserializer=edgerl_dot_v1_dot_edge__pb2.TransitionBatch.FromString,
+                _registered_method=True)
+        self.PublishWeights = channel.unary_unary(
+                '/edgerl.v1.Learner/PublishWeights',
+                request_serializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
+
+
+class LearnerServicer:
+    """The trainer's side of the edge server. Separate from EdgePolicy so that a
+    deployment can require trainer credentials for it.
+    """
+
+    def StreamTransitions(self, request_iterator, context):
+        """The trainer opens one stream and sends TransitionAck messages; the server
+        answers with segments in seq order, never more unacknowledged env steps
+        than the window allows. After a reconnect the server re-sends every
+        unacknowledged segment first, so the trainer must drop duplicates (by seq
+        or identity).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishWeights(self, request, context):
+        """Swap in new weights between two batches, stamped with a newer version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LearnerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StreamTransitions': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamTransitions,
+                    request_deserializer=edgerl_dot_v1_dot_edge__pb2.TransitionAck.FromString,
+                    response_serializer=edgerl_dot_v1_dot_edge__pb2.TransitionBatch.SerializeToString,
+            ),
+            'PublishWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'edgerl.v1.Learner', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('edgerl.v1.Learner', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Learner:
+    """The trainer's side of the edge server. Separate from EdgePolicy so that a
+    deployment can require trainer credentials for it.
+    """
+
+    @staticmethod
+    def StreamTransitions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/edgerl.v1.Learner/StreamTransitions',
+            edgerl_dot_v1_dot_edge__pb2.TransitionAck.SerializeToString,
+            edgerl_dot_v1_dot_edge__pb2.TransitionBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/edgerl.v1.Learner/PublishWeights',
+            edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.SerializeToString,
+            edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-#: Hidden sizes of the named presets. ``mlp-large`` is sized so that one
+#: Hidden sizes of the named presets. ``mlp-small`` is CleanRL's MuJoCo PPO network.
+#: ``mlp-large`` is sized so that one
 #: forward pass of 64 observations costs about as much as stepping 64
 #: HalfCheetah envs on one core (both ~3 ms on the reference 2-core machine).
 POLICY_PRESETS: dict[str, tuple[int, ...]] = {
+    "mlp-small": (64, 64),
     "mlp": (256, 256),
     "mlp-large": (768, 768, 768),
 }

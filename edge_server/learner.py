@@ -1,0 +1,124 @@
+"""The ``edgerl.v1.Learner`` servicer: segments out to the trainer, weights in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import numpy as np
+
+from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.policy import PolicyBackend
+from edgerl.edge_server.transitions import TransitionStore
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+def decode_weights(msg: Mapping[str, pb.Tensor]) -> dict[str, np.ndarray]:
+    """Decode the ``tensors`` map of a PublishWeightsRequest.
+
+    Raises:
+        tensors.TensorError: a tensor is malformed (the message names it).
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, t in msg.items():
+        arr = tensors.decode(t, f"tensors[{name!r}]")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise tensors.TensorError(f"tensors[{name!r}]: contains NaN or Inf")
+        out[name] = arr
+    return out
+
+
+class LearnerServicer(pb_grpc.LearnerServicer):
+    """Serves one trainer at a time; a newly connected trainer takes over."""
+
+    def __init__(
+        self,
+        store: TransitionStore,
+        batcher: DynamicBatcher,
+        backend: PolicyBackend,
+        *,
+        max_message_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.store = store
+        self.batcher = batcher
+        self.backend = backend
+        self.weight_sync_interval = store.config.weight_sync_interval
+        self.max_batch_bytes = max_message_bytes // 2
+        self.last_swap_us = 0
+
+    async def StreamTransitions(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.TransitionAck], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.TransitionBatch]:
+        store = self.store
+        generation = store.trainer_connected()
+        bad_ack: list[str] = []
+        reader = asyncio.get_running_loop().create_task(self._read_acks(request_iterator, bad_ack))
+        log.info("trainer connected (generation %d)", generation)
+        try:
+            while store.is_current_trainer(generation) and not reader.done():
+                segments = store.take_sendable()
+                if not segments:
+                    changed = store.wait_changed()
+                    await asyncio.wait((changed, reader), return_when=asyncio.FIRST_COMPLETED)
+                    changed.cancel()
+                    continue
+                batch: list[pb.Segment] = []
+                size = 0
+                for seg in segments:
+                    n = seg.ByteSize()
+                    if batch and size + n > self.max_batch_bytes:
+                        yield pb.TransitionBatch(segments=batch)
+                        batch, size = [], 0
+                    batch.append(seg)
+                    size += n
+                yield pb.TransitionBatch(segments=batch)
+            if bad_ack:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad_ack[0])
+        finally:
+            reader.cancel()
+            log.info("trainer stream ended (generation %d)", generation)
+
+    async def _read_acks(self, requests: AsyncIterator[pb.TransitionAck], bad: list[str]) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for ack in requests:
+                last = self.store.next_seq - 1
+                if ack.acked_seq > last:
+                    bad.append(f"acked_seq: {ack.acked_seq} was never sent (last segment is {last})")
+                    return
+                self.store.ack(ack.acked_seq, ack.window_steps)
+
+    async def PublishWeights(  # noqa: N802
+        self, request: pb.PublishWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishWeightsResponse:
+        start = time.perf_counter_ns()
+        backend = self.backend
+        served = backend.version
+        if request.version <= served:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version: must be greater than the served version {served}, got {request.version}",
+            )
+        if request.version - served < self.weight_sync_interval:
+            return pb.PublishWeightsResponse(policy_version=served, applied=False)
+        try:
+            weights = decode_weights(request.tensors)
+        except tensors.TensorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        version = request.version
+        try:
+            await self.batcher.run_between_batches(lambda: backend.load_weights(weights, version))
+        except (KeyError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).strip('"'))
+        except NotImplementedError as exc:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        self.store.published()
+        self.last_swap_us = (time.perf_counter_ns() - start) // 1000
+        return pb.PublishWeightsResponse(policy_version=version, applied=True, swap_us=self.last_swap_us)

@@ -1,0 +1,409 @@
+"""Version-stamped transitions, assembled by the edge server for the trainer.
+
+The server already sees everything a transition holds: the observation and
+the action it answered (with its log-prob, value and ``policy_version``),
+then the reward and done flags that arrive with the env's next message. The
+:class:`TransitionStore` keeps one row per env per step in preallocated
+arrays and, every ``segment_steps`` rows, cuts a :class:`Segment` for that env:
+``T`` contiguous transitions plus the observation after the last one (the
+bootstrap observation), so the trainer can run GAE on each segment alone.
+
+Flags travel with each row instead of rows being dropped, so GAE stays
+contiguous:
+
+- ``autoreset``: the observation was an episode's final one, so the env
+  (gymnasium 1.x ``NEXT_STEP`` autoreset) ignored the action and reset. The
+  row's reward is 0 and it belongs to no episode; the trainer masks it.
+- ``fallback``: the robot applied another action than the policy's (watchdog
+  fallback), as reported by the client with the next message.
+
+Segments wait in a bounded outgoing buffer until the trainer acknowledges
+them. The trainer pulls with a window (admission control); when the buffer
+is full, step requests wait (``overflow="block"``, backpressure on the
+envs) or the oldest unsent segment is dropped (``overflow="drop"``). Every
+transition that does not reach the trainer is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerl.edge_server.batcher import BatchResult
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+OVERFLOW_MODES = ("block", "drop")
+
+
+@dataclass(frozen=True)
+class TransitionConfig:
+    """How the edge server assembles and buffers transitions."""
+
+    segment_steps: int = 32
+    """Transitions per segment (per env)."""
+    max_pending_steps: int = 65536
+    """Most env steps held for the trainer (unsent plus unacknowledged)."""
+    overflow: str = "block"
+    """When the buffer is full: "block" delays step requests, "drop" drops the oldest unsent segment."""
+    sync_steps: int = 0
+    """Synchronous mode when > 0: at most this many actions per published version; further
+    step requests wait for the next publish."""
+    weight_sync_interval: int = 1
+    """Swap in every k-th published version (a publish less than k versions ahead is skipped)."""
+
+    def __post_init__(self) -> None:
+        if self.segment_steps < 1:
+            raise ValueError(f"segment_steps must be >= 1, got {self.segment_steps}")
+        if self.max_pending_steps < self.segment_steps:
+            raise ValueError(
+                f"max_pending_steps ({self.max_pending_steps}) must be >= "
+                f"segment_steps ({self.segment_steps})"
+            )
+        if self.overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
+        if self.sync_steps < 0:
+            raise ValueError(f"sync_steps must be >= 0, got {self.sync_steps}")
+        if self.weight_sync_interval < 1:
+            raise ValueError(f"weight_sync_interval must be >= 1, got {self.weight_sync_interval}")
+        if self.sync_steps and self.weight_sync_interval != 1:
+            raise ValueError("synchronous mode (sync_steps > 0) needs weight_sync_interval = 1")
+
+
+@dataclass
+class TransitionCounters:
+    """Where every transition went."""
+
+    transitions: int = 0
+    """Completed rows (reward known)."""
+    segments_emitted: int = 0
+    segments_sent: int = 0
+    """Segment sends, re-sends included."""
+    segments_resent: int = 0
+    segments_acked: int = 0
+    transitions_acked: int = 0
+    transitions_dropped_overflow: int = 0
+    transitions_dropped_disconnect: int = 0
+    backpressure_wait_us: int = 0
+    weight_publishes: int = 0
+
+
+@dataclass(eq=False)
+class _Wait:
+    since_ns: int
+
+
+class EnvBusyError(Exception):
+    """A step named an env whose previous request is still unanswered."""
+
+
+class _Session:
+    """Row buffers of one client session (one stream's envs)."""
+
+    def __init__(self, session_id: str, num_envs: int, steps: int, obs_shape: tuple[int, ...]) -> None:
+        self.session_id = session_id
+        self.num_envs = num_envs
+        self.generation = 0
+        self.act_shape: tuple[int, ...] | None = None
+        e, t = num_envs, steps + 1  # row T holds the bootstrap observation
+        self.obs = np.zeros((e, t, *obs_shape), np.float32)
+        self.actions: np.ndarray | None = None
+        self.log_probs = np.zeros((e, t), np.float32)
+        self.values = np.zeros((e, t), np.float32)
+        self.versions = np.zeros((e, t), np.uint64)
+        self.rewards = np.zeros((e, t), np.float32)
+        self.terminated = np.zeros((e, t), bool)
+        self.truncated = np.zeros((e, t), bool)
+        self.fallback = np.zeros((e, t), bool)
+        self.autoreset = np.zeros((e, t), bool)
+        self.pos = np.zeros(e, np.int64)
+        """Completed rows in each env's current segment; row ``pos`` is the open one."""
+        self.has_obs = np.zeros(e, bool)
+        self.awaiting = np.zeros(e, bool)
+        """Row ``pos`` has its observation and waits for its action."""
+        self.has_action = np.zeros(e, bool)
+        """Row ``pos`` has its action and waits for its reward."""
+        self.episode = np.zeros(e, np.int64)
+        self.t = np.zeros(e, np.int64)
+        self.seg_episode = np.zeros(e, np.int64)
+        self.seg_t = np.zeros(e, np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHandle:
+    """One stream's claim on a session; a newer stream for the session invalidates it."""
+
+    session: _Session
+    generation: int
+
+
+class TransitionStore:
+    """Assembles transitions of all sessions and hands segments to one trainer."""
+
+    def __init__(self, config: TransitionConfig, obs_shape: tuple[int, ...]) -> None:
+        self.config = config
+        self.obs_shape = obs_shape
+        self.counters = TransitionCounters()
+        self._sessions: dict[str, _Session] = {}
+        self._next_seq = 1
+        self._outgoing: collections.deque[tuple[int, int, pb.Segment]] = collections.deque()
+        self._unacked: collections.deque[tuple[int, int, pb.Segment]] = collections.deque()
+        self._outgoing_steps = 0
+        self._unacked_steps = 0
+        self._window_steps = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self._actions_since_publish = 0
+        self._trainer_generation = 0
+        self._waiting: set[_Wait] = set()
+
+    def backpressure_wait_us(self) -> int:
+        """Time step requests have waited for admission, ongoing waits included (us)."""
+        now = time.perf_counter_ns()
+        ongoing = sum(now - w.since_ns for w in self._waiting) // 1000
+        return self.counters.backpressure_wait_us + ongoing
+
+    # -- sessions -------------------------------------------------------------------------------------
+    def open_stream(self, session_id: str, num_envs: int) -> StreamHandle:
+        """Claim a session's buffers for a new stream (a reconnect takes over the old one)."""
+        s = self._sessions.get(session_id)
+        if s is None or s.num_envs != num_envs:
+            if s is not None:
+                self._flush(s)
+            s = _Session(session_id, num_envs, self.config.segment_steps, self.obs_shape)
+            self._sessions[session_id] = s
+        else:
+            self._flush(s)
+        s.generation += 1
+        return StreamHandle(s, s.generation)
+
+    def close_stream(self, handle: StreamHandle) -> None:
+        """The stream ended: hand over completed rows, count the half-built ones as dropped."""
+        if handle.generation == handle.session.generation:
+            self._flush(handle.session)
+
+    def _flush(self, s: _Session) -> None:
+        """Cut every env's completed rows into a (short) segment; drop open rows."""
+        self.counters.transitions_dropped_disconnect += int(s.has_action.sum())
+        envs = np.flatnonzero((s.pos > 0) & s.has_obs)
+        for e in envs.tolist():
+            p = int(s.pos[e])  # the open row's observation bootstraps the last completed one
+            self._emit(s, e, p, s.obs[e, p])
+        # The open rows' actions are lost: their episodes continue with a gap of one step.
+        s.t[s.has_action] += 1
+        s.pos[:] = 0
+        s.has_obs[:] = False
+        s.awaiting[:] = False
+        s.has_action[:] = False
+
+    # -- the act path ----------------------------------------------------------------------------------
+    def observe(
+        self,
+        handle: StreamHandle,
+        env_ids: np.ndarray,
+        obs: np.ndarray,
+        *,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        fallback: np.ndarray,
+    ) -> None:
+        """A step message arrived: complete the envs' open rows, cut full segments, open new rows.
+
+        Raises:
+            EnvBusyError: an env in ``env_ids`` still waits for its previous action.
+        """
+        s = handle.session
+        if handle.generation != s.generation:
+            return
+        busy = s.awaiting[env_ids]
+        if busy.any():
+            raise EnvBusyError(
+                f"step.env_ids: env {int(env_ids[np.argmax(busy)])} was sent again before its "
+                "previous action was answered"
+            )
+        steps = self.config.segment_steps
+        done = terminated | truncated
+        closing = s.has_action[env_ids]
+        if closing.any():
+            ids = env_ids[closing]
+            p = s.pos[ids]
+            s.rewards[ids, p] = rewards[closing]
+            s.terminated[ids, p] = terminated[closing]
+            s.truncated[ids, p] = truncated[closing]
+            s.fallback[ids, p] = fallback[closing]
+            s.has_action[ids] = False
+            was_reset = s.autoreset[ids, p]
+            s.episode[ids] += was_reset
+            s.t[ids] = np.where(was_reset, 0, s.t[ids] + 1)
+            s.pos[ids] = p + 1
+            self.counters.transitions += len(ids)
+            full = p + 1 == steps
+            for row, e in zip(np.flatnonzero(closing)[full].tolist(), ids[full].tolist(), strict=True):
+                self._emit(s, e, steps, obs[row])
+                s.pos[e] = 0
+        p = s.pos[env_ids]
+        start = p == 0
+        if start.any():
+            s.seg_episode[env_ids[start]] = s.episode[env_ids[start]]
+            s.seg_t[env_ids[start]] = s.t[env_ids[start]]
+        s.obs[env_ids, p] = obs
+        s.autoreset[env_ids, p] = done
+        s.has_obs[env_ids] = True
+        s.awaiting[env_ids] = True
+
+    def record(self, handle: StreamHandle, env_ids: np.ndarray, result: BatchResult) -> None:
+        """The server answered ``env_ids``: store the actions in their open rows."""
+        s = handle.session
+        if handle.generation != s.generation:
+            return
+        if s.actions is None:
+            s.act_shape = tuple(result.actions.shape[1:])
+            s.actions = np.zeros((s.num_envs, self.config.segment_steps + 1, *s.act_shape), np.float32)
+        p = s.pos[env_ids]
+        s.actions[env_ids, p] = result.actions
+        s.log_probs[env_ids, p] = result.log_probs
+        s.values[env_ids, p] = 0.0 if result.values is None else result.values
+        s.versions[env_ids, p] = result.policy_version
+        s.awaiting[env_ids] = False
+        s.has_action[env_ids] = True
+
+    def _emit(self, s: _Session, e: int, rows: int, bootstrap_obs: np.ndarray) -> None:
+        assert s.actions is not None
+        seg = pb.Segment(
+            seq=self._next_seq,
+            session_id=s.session_id,
+            env_id=e,
+            episode=int(s.seg_episode[e]),
+            t=int(s.seg_t[e]),
+            obs=tensors.float32(s.obs[e, :rows]),
+            actions=tensors.float32(s.actions[e, :rows]),
+            log_probs=s.log_probs[e, :rows].tolist(),
+            values=s.values[e, :rows].tolist(),
+            policy_versions=s.versions[e, :rows].tolist(),
+            rewards=s.rewards[e, :rows].tolist(),
+            terminated=s.terminated[e, :rows].tolist(),
+            truncated=s.truncated[e, :rows].tolist(),
+            fallback=s.fallback[e, :rows].tolist(),
+            autoreset=s.autoreset[e, :rows].tolist(),
+            bootstrap_obs=tensors.float32(np.asarray(bootstrap_obs)),
+        )
+        self._next_seq += 1
+        self.counters.segments_emitted += 1
+        self._outgoing.append((seg.seq, rows, seg))
+        self._outgoing_steps += rows
+        if self.config.overflow == "drop":
+            while self.pending_steps > self.config.max_pending_steps and self._outgoing:
+                _, n, _ = self._outgoing.popleft()
+                self._outgoing_steps -= n
+                self.counters.transitions_dropped_overflow += n
+        self._notify()
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next segment will get (every seq below it was assigned)."""
+        return self._next_seq
+
+    @property
+    def pending_steps(self) -> int:
+        """Env steps held for the trainer: not yet sent plus sent and unacknowledged."""
+        return self._outgoing_steps + self._unacked_steps
+
+    def try_admit(self, rows: int) -> bool:
+        """Admit a step request of ``rows`` actions now if it may go ahead."""
+        if not self._may_act():
+            return False
+        self._actions_since_publish += rows
+        return True
+
+    async def admit(self, rows: int) -> None:
+        """Wait until a step request of ``rows`` actions may go ahead (buffer room, sync quota)."""
+        if not self._may_act():
+            start = _Wait(time.perf_counter_ns())
+            self._waiting.add(start)
+            try:
+                while not self._may_act():
+                    await self.wait_changed()
+            finally:
+                self._waiting.discard(start)
+                self.counters.backpressure_wait_us += (time.perf_counter_ns() - start.since_ns) // 1000
+        self._actions_since_publish += rows
+
+    def _may_act(self) -> bool:
+        cfg = self.config
+        if cfg.overflow == "block" and self.pending_steps >= cfg.max_pending_steps:
+            return False
+        return not (cfg.sync_steps and self._actions_since_publish >= cfg.sync_steps)
+
+    def published(self) -> None:
+        """New weights are served: the sync-mode quota starts afresh."""
+        self._actions_since_publish = 0
+        self.counters.weight_publishes += 1
+        self._notify()
+
+    # -- the trainer side ---------------------------------------------------------------------------
+    def trainer_connected(self) -> int:
+        """A trainer (re)connected: everything unacknowledged is sent again first."""
+        while self._unacked:
+            item = self._unacked.pop()
+            self._outgoing.appendleft(item)
+            self._outgoing_steps += item[1]
+            self._unacked_steps -= item[1]
+            self.counters.segments_resent += 1
+        self._window_steps = 0
+        self._trainer_generation += 1
+        self._notify()
+        return self._trainer_generation
+
+    def is_current_trainer(self, generation: int) -> bool:
+        return generation == self._trainer_generation
+
+    def ack(self, acked_seq: int, window_steps: int) -> None:
+        """The trainer took every segment up to ``acked_seq`` and accepts ``window_steps`` unacked steps."""
+        while self._unacked and self._unacked[0][0] <= acked_seq:
+            _, n, _ = self._unacked.popleft()
+            self._unacked_steps -= n
+            self.counters.segments_acked += 1
+            self.counters.transitions_acked += n
+        self._window_steps = window_steps
+        self._notify()
+
+    def take_sendable(self) -> list[pb.Segment]:
+        """Segments that fit in the trainer's window now (moved to unacknowledged)."""
+        out: list[pb.Segment] = []
+        while self._outgoing:
+            seq, n, seg = self._outgoing[0]
+            if self._unacked_steps and self._unacked_steps + n > self._window_steps:
+                break
+            if not self._window_steps:
+                break
+            self._outgoing.popleft()
+            self._outgoing_steps -= n
+            self._unacked.append((seq, n, seg))
+            self._unacked_steps += n
+            out.append(seg)
+        self.counters.segments_sent += len(out)
+        return out
+
+    def wait_changed(self) -> asyncio.Future[None]:
+        """A future resolved at the next change of the store (segments, acks, publishes).
+
+        The waiter is registered now, not when the caller first awaits it, so no
+        change in between is missed (an ``asyncio.Event`` shared by several waiters,
+        each clearing it, can lose wake-ups that way).
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return fut
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)

@@ -1,0 +1,308 @@
+"""``edgerl train``: edge server, sim workers and the PPO trainer on loopback.
+
+Configuration is one :class:`RunConfig` (with the trainer's
+:class:`~edgerl.trainer.trainer.TrainerConfig` under ``ppo``). Values come
+from, in increasing priority: the dataclass defaults, a TOML file (``--config``,
+or the tuned file shipped for the env in ``launch/configs/``), the command-line
+flags, and ``--set key=value`` overrides (e.g. ``--set ppo.learning_rate=1e-3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import statistics
+import time
+import tomllib
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from edgerl.edge_server.server import ServerConfig
+from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.robot_client.sim_worker import SimWorkerConfig
+from edgerl.trainer.trainer import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+DEMO_ENV = "InvertedPendulum-v5"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run. ``ppo.batch_steps`` is always ``envs * segment_steps``."""
+
+    env: str = DEMO_ENV
+    """Gymnasium id of the task."""
+    envs: int = 16
+    """Envs in total, split over the sim workers."""
+    steps: int = 100_000
+    """Env steps to learn from."""
+    seed: int = 0
+    """Seeds the initial weights, the envs (env i of the run gets seed*1000+i) and sampling."""
+    policy: str = "mlp-small"
+    """Network preset."""
+    segment_steps: int = 32
+    """Transitions per env per batch (the rollout length)."""
+    workers: int = 1
+    """Sim worker processes."""
+    groups: int = 2
+    """Env groups per worker (2: double-buffered)."""
+    sync: bool = False
+    """Lockstep baseline: every action from the newest weights, no overlap."""
+    weight_sync_interval: int = 1
+    """The edge server swaps in every k-th published version only."""
+    run_dir: str = ""
+    """Output folder; default runs/<env>-s<seed>-<time>."""
+    ppo: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if self.envs < self.workers * self.groups:
+            raise ValueError(
+                f"envs ({self.envs}) must be >= workers x groups ({self.workers} x {self.groups})"
+            )
+        if self.steps < 1 or self.segment_steps < 1:
+            raise ValueError("steps and segment_steps must be >= 1")
+
+    @property
+    def batch_steps(self) -> int:
+        return self.envs * self.segment_steps
+
+    def resolved(self) -> RunConfig:
+        """The config with the trainer's derived fields filled in."""
+        ppo = dataclasses.replace(
+            self.ppo,
+            batch_steps=self.batch_steps,
+            total_steps=self.steps,
+            seed=self.seed,
+            minibatch_size=min(self.ppo.minibatch_size, self.batch_steps),
+        )
+        return dataclasses.replace(self, ppo=ppo)
+
+
+_KIND = {int: "an integer", float: "a number"}
+
+
+def _coerce(cls: type, key: str, value: Any) -> Any:
+    """``value`` (a string from the command line, or a TOML value) as the type of ``cls.key``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields or key == "ppo":
+        raise ValueError(f"{key}: unknown setting; known: {', '.join(sorted(fields))}")
+    default = fields[key].default
+    if default is dataclasses.MISSING or default is None or isinstance(default, str):
+        return value
+    kind = type(default)
+    if isinstance(value, str):
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{key}: expected true or false, got {value!r}")
+            return value.lower() in ("true", "1")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{key}: expected {_KIND[kind]}, got {value!r}") from None
+        value = number
+    if kind is int and isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{key}: expected an integer, got {value!r}")
+        return int(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind):
+        raise ValueError(f"{key}: expected {_KIND.get(kind, kind.__name__)}, got {value!r}")
+    return value
+
+
+def apply_overrides(cfg: RunConfig, values: Mapping[str, Any], source: str) -> RunConfig:
+    """Apply ``{"envs": 64, "ppo": {"epochs": 4}}`` or ``{"ppo.epochs": "4"}`` to ``cfg``."""
+    top: dict[str, Any] = {}
+    ppo: dict[str, Any] = {}
+    try:
+        for key, value in values.items():
+            if key == "ppo" and isinstance(value, Mapping):
+                ppo.update({k: _coerce(TrainerConfig, k, v) for k, v in value.items()})
+            elif key.startswith("ppo."):
+                k = key.removeprefix("ppo.")
+                ppo[k] = _coerce(TrainerConfig, k, value)
+            else:
+                top[key] = _coerce(RunConfig, key, value)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    try:
+        return dataclasses.replace(cfg, **top, ppo=dataclasses.replace(cfg.ppo, **ppo))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def config_file_for(env: str) -> Path | None:
+    """The tuned config shipped for ``env``, if any."""
+    path = CONFIG_DIR / f"{env}.toml"
+    return path if path.exists() else None
+
+
+def load_config(
+    env: str | None, file: str | None, flags: Mapping[str, Any], sets: list[str]
+) -> tuple[RunConfig, list[str]]:
+    """Defaults, then the file, then explicit flags, then ``--set`` pairs. Returns (config, sources)."""
+    cfg = RunConfig() if env is None else RunConfig(env=env)
+    sources = ["defaults"]
+    path = Path(file) if file else config_file_for(cfg.env)
+    if path is not None:
+        if not path.exists():
+            raise FileNotFoundError(f"--config: {path} does not exist")
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+        cfg = apply_overrides(cfg, data, str(path))
+        sources.append(str(path))
+    explicit = {k: v for k, v in flags.items() if v is not None}
+    if explicit:
+        cfg = apply_overrides(cfg, explicit, "command line")
+        sources.append("flags")
+    pairs: dict[str, str] = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        pairs[key.strip()] = value.strip()
+    if pairs:
+        cfg = apply_overrides(cfg, pairs, "--set")
+        sources.append("--set")
+    return cfg.resolved(), sources
+
+
+def _json_ready(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {k: _json_ready(v) for k, v in dataclasses.asdict(obj).items()}
+    return obj
+
+
+class _StopFlag:
+    """First Ctrl-C asks for a clean stop; a second one interrupts."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopFlag:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def run_training(
+    cfg: RunConfig, *, resume: bool = False, progress: bool = True, log_level: str = "WARNING"
+) -> dict[str, Any]:
+    """Run one training job; returns its summary (also written to ``summary.json``)."""
+    import torch
+
+    from edgerl.models import build_policy
+    from edgerl.sim.envs import env_spec
+    from edgerl.trainer.trainer import Trainer, latest_checkpoint
+
+    cfg = cfg.resolved()
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.env}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+    spec = env_spec(cfg.env)
+    policy_spec = PolicySpec(
+        env_name=cfg.env,
+        preset=cfg.policy,
+        seed=cfg.seed,
+        compute_values=True,
+        checkpoint=str(checkpoint or ""),
+    )
+    batch = cfg.batch_steps
+    learner = TransitionConfig(
+        segment_steps=cfg.segment_steps,
+        # Sims may run one window ahead of the batch being learned, no further: this bounds lag.
+        max_pending_steps=batch * cfg.ppo.max_batches_ahead,
+        overflow="block",
+        sync_steps=batch if cfg.sync else 0,
+        weight_sync_interval=1 if cfg.sync else cfg.weight_sync_interval,
+    )
+    torch.set_num_threads(cfg.ppo.torch_threads)
+    net = build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed)
+    t_start = time.monotonic()
+    with ServerProcess(policy_spec, ServerConfig(port=0, learner=learner), log_level=log_level) as server:
+        trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume)
+        worker_cfg = SimWorkerConfig(
+            server=server.address,
+            env_name=cfg.env,
+            num_envs=cfg.envs,
+            groups=cfg.groups,
+            seed=cfg.seed * 1000,
+            session_id=f"train-s{cfg.seed}",
+            timeout_s=300.0,  # steps wait for the trainer by design (backpressure, sync mode)
+        )
+        start_steps = trainer.state.env_steps
+        with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, _StopFlag() as stop:
+            fleet.wait_started()
+            t0 = time.monotonic()
+            bar = tqdm(
+                total=cfg.steps,
+                initial=start_steps,
+                desc=f"train {cfg.env}",
+                unit="step",
+                unit_scale=True,
+                dynamic_ncols=True,
+                disable=not progress,
+            )
+
+            def on_update(scalars: dict[str, float]) -> None:
+                fleet.poll_episodes()
+                if fleet.failed():
+                    raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+                bar.update(trainer.state.env_steps - bar.n)
+                recent = fleet.episode_returns[-20:]
+                bar.set_postfix(
+                    ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
+                    v=trainer.state.version,
+                    lag=f"{scalars['staleness/lag_mean']:.2f}",
+                )
+
+            try:
+                state = trainer.run(lambda: stop.set, on_update)
+            finally:
+                bar.close()
+            wall = time.monotonic() - t0
+    returns = fleet.episode_returns
+    learned = state.env_steps - start_steps
+    history = trainer.history
+    summary: dict[str, Any] = {
+        "env": cfg.env,
+        "seed": cfg.seed,
+        "mode": "sync" if cfg.sync else "async",
+        "env_steps": state.env_steps,
+        "updates": state.updates,
+        "policy_version": state.version,
+        "wall_s": round(wall, 2),
+        "total_s": round(time.monotonic() - t_start, 2),
+        "steps_per_s": round(learned / wall, 1) if wall > 0 else 0.0,
+        "episodes": len(returns),
+        "return_last20": round(statistics.fmean(returns[-20:]), 2) if returns else None,
+        "stale_fraction": round(state.masked_stale / max(1, state.env_steps), 5),
+        "lag_mean": round(statistics.fmean(h["staleness/lag_mean"] for h in history), 3) if history else 0.0,
+        "lag_max": max((h["staleness/lag_max"] for h in history), default=0.0),
+        "interrupted": stop.set,
+        "run_dir": str(run_dir),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

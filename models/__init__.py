@@ -1,0 +1,15 @@
+"""Policy networks shared by the edge server (inference) and the trainer (learning).
+
+The two never import each other (they talk over gRPC); both import the
+network definition from here, so a published ``state_dict`` always fits.
+"""
+
+from edgerl.models.mlp import (
+    POLICY_PRESETS,
+    GaussianMLPPolicy,
+    RunningNorm,
+    build_policy,
+    gaussian_log_prob,
+)
+
+__all__ = ["POLICY_PRESETS", "GaussianMLPPolicy", "RunningNorm", "build_policy", "gaussian_log_prob"]

@@ -1,0 +1,192 @@
+"""The Learner service on a real server: segments to a real trainer feed, weights back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.server import LEARNER_SERVICE_NAME
+from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.models import build_policy
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient
+from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
+from edgerl.sim.envs import env_spec
+from edgerl.trainer.feed import TransitionFeed, publish_weights
+from edgerl.trainer.segments import segment_key
+from tests.helpers import run, running_server
+
+ENV = "InvertedPendulum-v5"
+
+
+def _backend(seed: int = 0) -> TorchPolicyBackend:
+    spec = env_spec(ENV)
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=seed)
+    return TorchPolicyBackend(net, spec.act_low, spec.act_high, seed=seed, compute_values=True)
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def test_trainer_takes_segments_and_a_publish_changes_the_served_version() -> None:
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=8)
+        async with running_server(_backend(), learner=learner) as server:
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=1))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            feed = TransitionFeed(server.address, window_steps=64).start()
+            try:
+                segs = await _in_thread(feed.take, 64)
+                assert sum(len(s.rewards) for s in segs) >= 64
+                assert {len(s.rewards) for s in segs} == {8}
+                assert len({segment_key(s) for s in segs}) == len(segs)
+                assert all(v == 0 for s in segs for v in s.policy_versions)
+                assert any(v != 0.0 for s in segs for v in s.values)  # the served critic ran
+                feed.ack(max(s.seq for s in segs))
+
+                # Publish different weights as version 1: served actions change and carry it.
+                obs = np.zeros((1, 4), np.float32)
+                async with EdgeClient(server.address) as client:
+                    before = await client.act(obs)
+                    channel = grpc.insecure_channel(server.address)
+                    stub = pb_grpc.LearnerStub(channel)
+                    other = _backend(seed=7).policy.state_dict()
+                    resp = await _in_thread(publish_weights, stub, other, 1)
+                    assert resp.applied and resp.policy_version == 1
+                    after = await client.act(obs)
+                    assert after.policy_version == 1 and before.policy_version == 0
+                    assert (await client.describe()).policy_version == 1
+                    # Versions never go back.
+                    with pytest.raises(
+                        errors.FailedPreconditionError, match="greater than the served version 1"
+                    ):
+                        await _in_thread(publish_weights, stub, other, 1)
+                    bad = dict(other)
+                    bad["critic.0.weight"] = bad["critic.0.weight"][:, :2]
+                    with pytest.raises(errors.InvalidArgumentError, match=r"critic.0.weight"):
+                        await _in_thread(publish_weights, stub, bad, 2)
+                    channel.close()
+                # New segments carry the new version after the publish.
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    more = await _in_thread(feed.take, 32)
+                    feed.ack(max(s.seq for s in more))
+                    if any(v == 1 for s in more for v in s.policy_versions):
+                        break
+                else:
+                    pytest.fail("no transition stamped with version 1 arrived")
+            finally:
+                stop.set()
+                await sim
+                feed.close()
+                worker.close()
+            st = await _stats(server.address)
+            assert st.transitions > 64 and st.segments_acked > 8
+            assert st.weight_publishes == 1
+
+    run(main())
+
+
+async def _stats(address: str) -> pb.StatsResponse:
+    async with EdgeClient(address) as client:
+        return await client.stats()
+
+
+def test_segments_resent_after_a_trainer_reconnect_are_taken_once() -> None:
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            feed = TransitionFeed(server.address, window_steps=64).start()
+            try:
+                first = await _in_thread(feed.take, 16)  # taken, not acknowledged
+                while feed.received_steps < 64:  # the rest of the window arrives, unacknowledged
+                    await asyncio.sleep(0.05)
+                assert feed._call is not None
+                feed._call.cancel()  # the stream breaks; the feed reconnects
+                while feed.reconnects == 0 or feed.dedupe.duplicates == 0:
+                    await asyncio.sleep(0.05)
+                feed.ack(max(s.seq for s in first))
+                rest = await _in_thread(feed.take, 64)
+            finally:
+                stop.set()
+                await sim
+                feed.close()
+                worker.close()
+            keys = [segment_key(s) for s in first + rest]
+            assert len(keys) == len(set(keys))  # every transition taken once
+            assert feed.reconnects >= 1
+            assert feed.dedupe.duplicates >= 1  # the server did re-send the unacknowledged ones
+            assert server.store is not None and server.store.counters.segments_resent >= 1
+
+    run(main())
+
+
+def test_backpressure_holds_envs_when_no_trainer_takes_transitions() -> None:
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=4, max_pending_steps=16)
+        async with running_server(_backend(), learner=learner) as server:
+            cfg = SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=3, timeout_s=60)
+            worker = SimWorker(cfg)
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            await asyncio.sleep(2.0)
+            st = await _stats(server.address)
+            assert st.transitions_pending == 16  # full, and no further
+            assert worker.progress.steps <= 16 + 4 + 4  # pending + open rows + one answered step
+            assert st.backpressure_wait_us > 500_000
+            stop.set()
+            assert server.store is not None
+            server.store.ack(0, 1 << 20)  # let the worker finish its step
+            server.store.take_sendable()
+            server.store.ack(server.store.next_seq - 1, 1 << 20)
+            await asyncio.wait_for(sim, 30)
+            worker.close()
+
+    run(main())
+
+
+def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> None:
+    async def main() -> None:
+        learner = TransitionConfig(weight_sync_interval=2)
+        async with running_server(_backend(), learner=learner) as server:
+            channel = grpc.insecure_channel(server.address)
+            stub = pb_grpc.LearnerStub(channel)
+            state = _backend(seed=5).policy.state_dict()
+            r1 = await _in_thread(publish_weights, stub, state, 1)
+            r2 = await _in_thread(publish_weights, stub, state, 2)
+            assert (r1.applied, r1.policy_version) == (False, 0)
+            assert (r2.applied, r2.policy_version) == (True, 2)
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            health = health_pb2_grpc.HealthStub(channel)
+            req = health_pb2.HealthCheckRequest(service=LEARNER_SERVICE_NAME)
+            ok = await _in_thread(lambda: health.Check(req, timeout=5))
+            assert ok.status == health_pb2.HealthCheckResponse.SERVING
+            channel.close()
+
+    run(main())
+
+
+def test_publish_without_learner_is_unimplemented() -> None:
+    async def main() -> None:
+        async with running_server(_backend()) as server:
+            channel = grpc.insecure_channel(server.address)
+            with pytest.raises(errors.RpcError) as exc:
+                await _in_thread(publish_weights, pb_grpc.LearnerStub(channel), {}, 1)
+            assert exc.value.code == grpc.StatusCode.UNIMPLEMENTED
+            channel.close()
+
+    run(main())

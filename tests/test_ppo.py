@@ -1,0 +1,215 @@
+"""GAE and the PPO loss against hand-computed values; masking in a real update."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from edgerl.models import build_policy
+from edgerl.trainer.ppo import LossCoefs, gae, gaussian_entropy, masked_mean, normalize_advantages, ppo_loss
+from edgerl.trainer.segments import Batch
+from edgerl.trainer.trainer import Trainer, TrainerConfig
+
+F = np.float32
+
+
+Flags = list[bool] | None
+
+
+def _gae(
+    rewards: list[float],
+    values: list[float],
+    next_values: list[float],
+    *,
+    term: Flags = None,
+    trunc: Flags = None,
+    end: Flags = None,
+    gamma: float = 0.9,
+    lam: float = 0.8,
+) -> tuple[np.ndarray, np.ndarray]:
+    n = len(rewards)
+    z = np.zeros(n, bool)
+    out: tuple[np.ndarray, np.ndarray] = gae(
+        np.array(rewards, F),
+        np.array(values, F),
+        np.array(next_values, F),
+        terminated=z if term is None else np.array(term),
+        truncated=z if trunc is None else np.array(trunc),
+        segment_end=z if end is None else np.array(end),
+        gamma=gamma,
+        lam=lam,
+    )
+    return out
+
+
+def test_gae_matches_the_recursion_by_hand() -> None:
+    adv, ret = _gae([1.0, 2.0, 3.0], [0.5, 0.4, 0.3], [0.4, 0.3, 0.2])
+    d2 = 3.0 + 0.9 * 0.2 - 0.3  # 2.88
+    d1 = 2.0 + 0.9 * 0.3 - 0.4  # 1.87
+    d0 = 1.0 + 0.9 * 0.4 - 0.5  # 0.86
+    a2 = d2
+    a1 = d1 + 0.9 * 0.8 * a2
+    a0 = d0 + 0.9 * 0.8 * a1
+    np.testing.assert_allclose(adv, [a0, a1, a2], rtol=1e-6)
+    np.testing.assert_allclose(ret, [a0 + 0.5, a1 + 0.4, a2 + 0.3], rtol=1e-6)
+
+
+def test_termination_does_not_bootstrap_but_truncation_does() -> None:
+    # Row 0 ends the episode; next_values[0] = V(final obs) = 10.
+    term, _ = _gae([1.0, 5.0], [0.0, 0.0], [10.0, 0.0], term=[True, False])
+    trunc, _ = _gae([1.0, 5.0], [0.0, 0.0], [10.0, 0.0], trunc=[True, False])
+    assert term[0] == pytest.approx(1.0)  # r only: a terminal state is worth 0
+    assert trunc[0] == pytest.approx(1.0 + 0.9 * 10.0)  # r + gamma V(final obs)
+    # Neither lets the next episode's advantage leak back.
+    cont, _ = _gae([1.0, 5.0], [0.0, 0.0], [10.0, 0.0])
+    assert cont[0] == pytest.approx(1.0 + 0.9 * 10.0 + 0.9 * 0.8 * 5.0)
+
+
+def test_segment_end_stops_propagation_but_bootstraps() -> None:
+    adv, _ = _gae([1.0, 5.0], [0.0, 0.0], [2.0, 0.0], end=[True, False])
+    assert adv[0] == pytest.approx(1.0 + 0.9 * 2.0)
+
+
+def test_masked_mean_and_normalisation_ignore_masked_rows() -> None:
+    x = torch.tensor([1.0, 3.0, 100.0])
+    m = torch.tensor([True, True, False])
+    assert masked_mean(x, m).item() == pytest.approx(2.0)
+    assert masked_mean(x, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+    n = normalize_advantages(x, m)
+    assert n[:2].tolist() == pytest.approx([-1.0, 1.0], rel=1e-5)
+
+
+def test_gaussian_entropy_matches_torch() -> None:
+    log_std = torch.tensor([0.1, -0.5, 0.3])
+    normal = torch.distributions.Normal(torch.zeros(3), log_std.exp())
+    expected = normal.entropy().sum()  # type: ignore[no-untyped-call]
+    assert gaussian_entropy(log_std).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def _loss(**kw: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    base: dict[str, Any] = {
+        "new_log_probs": torch.tensor([math.log(1.5), math.log(0.5)]),
+        "behaviour_log_probs": torch.zeros(2),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "new_values": torch.tensor([1.0, 2.0]),
+        "old_values": torch.tensor([1.0, 2.0]),
+        "returns": torch.tensor([2.0, 2.0]),
+        "entropy": torch.tensor(0.7),
+        "policy_mask": torch.tensor([True, True]),
+        "value_mask": torch.tensor([True, True]),
+        "coefs": LossCoefs(clip=0.2, value_coef=0.5, entropy_coef=0.01, clip_value=False),
+    }
+    base.update(kw)
+    out: tuple[torch.Tensor, dict[str, torch.Tensor]] = ppo_loss(**base)
+    return out
+
+
+def test_ppo_loss_clips_the_ratio_by_hand() -> None:
+    loss, st = _loss()
+    # Row 0: ratio 1.5, A=+1 -> min(1.5, 1.2) = 1.2. Row 1: ratio 0.5, A=-1 -> min(-0.5, -0.8) = -0.8.
+    pg = -(1.2 + -0.8) / 2
+    v = 0.5 * ((1.0 - 2.0) ** 2 + 0.0) / 2
+    assert st["policy_loss"].item() == pytest.approx(pg, rel=1e-6)
+    assert st["value_loss"].item() == pytest.approx(v, rel=1e-6)
+    assert loss.item() == pytest.approx(pg + 0.5 * v - 0.01 * 0.7, rel=1e-6)
+    assert st["clip_fraction"].item() == pytest.approx(1.0)
+    kl = ((1.5 - 1) - math.log(1.5) + (0.5 - 1) - math.log(0.5)) / 2
+    assert st["approx_kl"].item() == pytest.approx(kl, rel=1e-5)
+
+
+def test_ppo_loss_masks_rows_and_clips_values() -> None:
+    _, st = _loss(policy_mask=torch.tensor([True, False]), value_mask=torch.tensor([False, True]))
+    assert st["policy_loss"].item() == pytest.approx(-1.2)
+    assert st["value_loss"].item() == pytest.approx(0.0)
+    coefs = LossCoefs(clip=0.2, value_coef=0.5, entropy_coef=0.0, clip_value=True)
+    # Value moved 1.0 -> 1.5 towards a return of 2: the clipped value 1.2 has the larger error.
+    _, st = _loss(new_values=torch.tensor([1.5, 2.0]), old_values=torch.tensor([1.0, 2.0]), coefs=coefs)
+    assert st["value_loss"].item() == pytest.approx(0.5 * (0.8**2) / 2, rel=1e-5)
+
+
+def test_decoupled_ratio_uses_the_proximal_policy_and_a_capped_weight() -> None:
+    coefs = LossCoefs(clip=0.2, entropy_coef=0.0, clip_value=False, is_cap=2.0)
+    _, st = _loss(
+        new_log_probs=torch.tensor([0.0, 0.0]),
+        behaviour_log_probs=torch.tensor([0.0, math.log(0.25)]),
+        proximal_log_probs=torch.tensor([0.0, 0.0]),
+        advantages=torch.tensor([1.0, 1.0]),
+        coefs=coefs,
+    )
+    # ratio pi/proximal = 1 for both; weights proximal/behaviour = 1 and min(4, 2) = 2.
+    assert st["policy_loss"].item() == pytest.approx(-(1.0 * 1 + 1.0 * 2) / 2)
+
+
+# -- masking inside a real update ----------------------------------------------------------------
+OBS, ACT, N = 5, 2, 64
+
+
+def _batch(
+    rng: np.random.Generator, versions: np.ndarray, fallback: np.ndarray, autoreset: np.ndarray
+) -> Batch:
+    obs_ext = rng.standard_normal((N + 1, OBS)).astype(F)
+    end = np.zeros(N, bool)
+    end[-1] = True
+    return Batch(
+        obs_ext=obs_ext,
+        obs_index=np.arange(N),
+        next_index=np.arange(1, N + 1),
+        actions=rng.standard_normal((N, ACT)).astype(F),
+        log_probs=rng.standard_normal(N).astype(F) - 2.0,
+        served_values=np.zeros(N, F),
+        versions=versions,
+        rewards=rng.standard_normal(N).astype(F),
+        raw_rewards=np.zeros(N, F),
+        terminated=np.zeros(N, bool),
+        truncated=np.zeros(N, bool),
+        fallback=fallback,
+        autoreset=autoreset,
+        segment_end=end,
+        last_seq=1,
+    )
+
+
+def _update(tmp_path: Path, batch: Batch, version: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+    cfg = TrainerConfig(batch_steps=N, minibatch_size=16, epochs=2, max_policy_lag=1, seed=3, anneal_lr=False)
+    trainer = Trainer(
+        cfg, build_policy("mlp-small", OBS, ACT, seed=0), "unused:0", tmp_path, tensorboard=False
+    )
+    trainer.state.version = version
+    scalars = trainer.update(batch)
+    return scalars, [p.detach().clone() for p in trainer.policy.parameters()]
+
+
+def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    versions = np.full(N, 10, np.int64)
+    versions[:8] = 7  # lag 3 > max_policy_lag 1: stale
+    fallback = np.zeros(N, bool)
+    fallback[8:12] = True
+    autoreset = np.zeros(N, bool)
+    autoreset[12:14] = True
+    batch = _batch(rng, versions, fallback, autoreset)
+    scalars, params = _update(tmp_path / "a", batch, version=10)
+    assert scalars["staleness/masked_stale_fraction"] == pytest.approx(8 / N)
+    assert scalars["staleness/masked_fallback_fraction"] == pytest.approx(4 / N)
+    assert scalars["staleness/masked_autoreset_fraction"] == pytest.approx(2 / N)
+    assert scalars["staleness/lag_max"] == 3.0 and scalars["staleness/lag_min"] == 0.0
+
+    # Garbage actions and log-probs on masked rows change nothing...
+    masked = np.zeros(N, bool)
+    masked[:14] = True
+    noisy = _batch(np.random.default_rng(0), versions, fallback, autoreset)
+    noisy.actions[masked] += 5.0
+    noisy.log_probs[masked] -= 7.0
+    _, same = _update(tmp_path / "b", noisy, version=10)
+    for p, q in zip(params, same, strict=True):
+        torch.testing.assert_close(p, q)
+    # ...while the same change on one live row does (the comparison can fail).
+    live = _batch(np.random.default_rng(0), versions, fallback, autoreset)
+    live.actions[20] += 5.0
+    _, moved = _update(tmp_path / "c", live, version=10)
+    assert any(not torch.equal(p, q) for p, q in zip(params, moved, strict=True))

@@ -1,0 +1,111 @@
+"""``edgerl train`` end to end: server, workers and trainer as real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgerl.launch.train import RunConfig, load_config
+
+EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+
+
+def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    subprocess.run([*EDGERL, "train", *args, "--json", str(out)], check=True, timeout=900, text=True)
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary
+
+
+def _metrics(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = _train(["--steps", "50000", "--run-dir", str(run_dir)], tmp_path, "train")
+    assert summary["env"] == "InvertedPendulum-v5" and summary["mode"] == "async"
+    assert summary["return_last20"] >= 500, summary  # random play scores ~5-10
+    assert summary["env_steps"] >= 50_000
+    assert summary["stale_fraction"] < 0.01
+    assert 0 < summary["lag_mean"] <= 2.0  # async: sampling overlaps the updates
+
+    rows = _metrics(run_dir)
+    assert len(rows) == summary["updates"]
+    steps = [r["global_step"] for r in rows]
+    versions = [r["charts/policy_version"] for r in rows]
+    assert steps == sorted(steps) and versions == sorted(versions)  # never decrease
+    assert all(r["charts/served_version"] == r["charts/policy_version"] for r in rows)
+    for key in ("losses/approx_kl", "losses/clip_fraction", "perf/sampler_steps_per_s", "staleness/lag_max"):
+        assert key in rows[-1]
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "latest.pt").exists()
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["ppo"]["batch_steps"] == config["envs"] * config["segment_steps"]
+
+
+def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> None:
+    run_dir = str(tmp_path / "run")
+    common = ["--sync", "--envs", "8", "--segment-steps", "16", "--run-dir", run_dir]
+    first = _train([*common, "--steps", "1024"], tmp_path, "first")
+    assert first["mode"] == "sync" and first["lag_max"] == 0 and first["stale_fraction"] == 0
+    assert first["policy_version"] == first["updates"] == 1024 // 128
+    again = _train([*common, "--steps", "2048", "--resume"], tmp_path, "again")
+    assert again["policy_version"] == 2048 // 128  # continues from 8, not from 0
+    assert again["env_steps"] == 2048
+    rows = _metrics(Path(run_dir))
+    assert [r["charts/policy_version"] for r in rows] == list(range(1, 17))
+    assert all(r["staleness/lag_max"] == 0 for r in rows)
+
+
+def test_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = tmp_path / "summary.json"
+    cmd = [*EDGERL, "train", "--steps", "10000000", "--run-dir", str(run_dir), "--json", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["interrupted"] is True and summary["updates"] >= 3
+    assert (run_dir / "checkpoints" / "latest.pt").exists()
+    assert "Traceback" not in err
+
+
+def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
+    cfg, sources = load_config("HalfCheetah-v5", None, {}, [])
+    assert (cfg.envs, cfg.steps) == (64, 1_000_000)  # the shipped tuned file
+    assert sources[1].endswith("HalfCheetah-v5.toml")
+    assert cfg.ppo.batch_steps == 64 * 32 and cfg.ppo.total_steps == 1_000_000
+
+    file = tmp_path / "my.toml"
+    file.write_text("envs = 8\nsteps = 5000\n[ppo]\nepochs = 3\nlearning_rate = 1e-3\n")
+    cfg, _ = load_config(None, str(file), {"envs": 12, "steps": None}, ["ppo.epochs=7", "sync=true"])
+    assert cfg.env == RunConfig().env
+    assert (cfg.envs, cfg.steps, cfg.sync) == (12, 5000, True)  # flag beats file, file beats default
+    assert (cfg.ppo.epochs, cfg.ppo.learning_rate) == (7, 1e-3)  # --set beats file
+
+    with pytest.raises(ValueError, match=r"--set: .*unknown setting"):
+        load_config(None, None, {}, ["ppo.nonsense=1"])
+    with pytest.raises(ValueError, match="epochs: expected an integer"):
+        load_config(None, None, {}, ["ppo.epochs=many"])
+    with pytest.raises(FileNotFoundError, match="--config"):
+        load_config(None, str(tmp_path / "missing.toml"), {}, [])
+
+
+def test_shipped_configs_parse() -> None:
+    for env in ("HalfCheetah-v5", "Hopper-v5", "InvertedPendulum-v5"):
+        cfg, sources = load_config(env, None, {}, [])
+        assert cfg.env == env and len(sources) == 2, f"no tuned config for {env}"

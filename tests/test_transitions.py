@@ -1,0 +1,194 @@
+"""The edge server's transition assembly, driven step by step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edgerl.edge_server.batcher import BatchResult
+from edgerl.edge_server.transitions import EnvBusyError, StreamHandle, TransitionConfig, TransitionStore
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+
+OBS = (3,)
+
+
+def _store(**kw: object) -> TransitionStore:
+    return TransitionStore(TransitionConfig(**kw), OBS)  # type: ignore[arg-type,unused-ignore]
+
+
+def _step(
+    store: TransitionStore,
+    h: StreamHandle,
+    ids: list[int],
+    k: int,
+    *,
+    reward: float = 0.0,
+    term: list[bool] | None = None,
+    trunc: list[bool] | None = None,
+    fallback: list[bool] | None = None,
+    version: int = 0,
+) -> None:
+    """Message k: obs rows are [k, env, 0], rewards reward+env; then the server answers."""
+    n = len(ids)
+    env_ids = np.array(ids)
+    obs = np.array([[k, e, 0] for e in ids], np.float32)
+    store.observe(
+        h,
+        env_ids,
+        obs,
+        rewards=np.array([reward + e for e in ids], np.float32),
+        terminated=np.array(term or [False] * n),
+        truncated=np.array(trunc or [False] * n),
+        fallback=np.array(fallback or [False] * n),
+    )
+    actions = np.array([[k * 10 + e] for e in ids], np.float32)
+    store.record(h, env_ids, BatchResult(actions, -actions[:, 0], actions[:, 0] / 2, version, 0, 0, n))
+
+
+def _drain(store: TransitionStore) -> list[pb.Segment]:
+    store.ack(0, 1 << 30)
+    segs: list[pb.Segment] = store.take_sendable()
+    return segs
+
+
+def test_rows_pair_each_observation_with_the_reward_of_the_next_message() -> None:
+    store = _store(segment_steps=3)
+    h = store.open_stream("s", 2)
+    for k in range(4):  # message k carries the reward of action k-1
+        _step(store, h, [0, 1], k, reward=float(k), version=k // 2)
+    segs = _drain(store)
+    assert [(s.env_id, s.episode, s.t) for s in segs] == [(0, 0, 0), (1, 0, 0)]
+    s1 = segs[1]
+    np.testing.assert_array_equal(tensors.decode(s1.obs)[:, 0], [0, 1, 2])
+    np.testing.assert_array_equal(tensors.decode(s1.obs)[:, 1], [1, 1, 1])
+    np.testing.assert_array_equal(tensors.decode(s1.actions)[:, 0], [1, 11, 21])
+    assert list(s1.rewards) == [2.0, 3.0, 4.0]  # rewards of messages 1..3 for env 1
+    assert list(s1.policy_versions) == [0, 0, 1]
+    assert list(s1.log_probs) == [-1.0, -11.0, -21.0]
+    assert list(s1.values) == [0.5, 5.5, 10.5]
+    np.testing.assert_array_equal(tensors.decode(s1.bootstrap_obs), [3, 1, 0])  # obs of message 3
+    assert [s.seq for s in segs] == [1, 2]
+    assert store.counters.transitions == 6
+
+
+def test_done_marks_the_next_row_autoreset_and_starts_a_new_episode() -> None:
+    store = _store(segment_steps=4)
+    h = store.open_stream("s", 1)
+    _step(store, h, [0], 0)
+    _step(store, h, [0], 1, reward=1.0, trunc=[True])  # action 0 truncated: obs 1 is the final one
+    _step(store, h, [0], 2, reward=0.0)  # the env reset on action 1 (ignored)
+    _step(store, h, [0], 3, reward=2.0, fallback=[True])
+    _step(store, h, [0], 4, reward=3.0, term=[True])
+    _step(store, h, [0], 5)
+    _step(store, h, [0], 6)
+    _step(store, h, [0], 7)
+    _step(store, h, [0], 8)
+    first, second = _drain(store)
+    assert list(first.truncated) == [True, False, False, False]
+    assert list(first.terminated) == [False, False, False, True]
+    assert list(first.autoreset) == [False, True, False, False]
+    assert list(first.fallback) == [False, False, True, False]
+    assert (first.episode, first.t) == (0, 0)
+    assert list(second.autoreset) == [True, False, False, False]  # obs 4 was final
+    # Episode 0 = row 0 (+ its autoreset row 1); episode 1 = rows 2-3; episode 2 starts at row 5.
+    assert (second.episode, second.t) == (1, 2)
+
+
+def test_env_sent_again_before_its_answer_is_refused() -> None:
+    store = _store()
+    h = store.open_stream("s", 2)
+    z = np.zeros(1, np.float32)
+    f = np.zeros(1, bool)
+    obs = np.zeros((1, 3), np.float32)
+    store.observe(h, np.array([1]), obs, rewards=z, terminated=f, truncated=f, fallback=f)
+    with pytest.raises(EnvBusyError, match=r"step.env_ids: env 1 was sent again"):
+        store.observe(h, np.array([1]), obs, rewards=z, terminated=f, truncated=f, fallback=f)
+
+
+def test_reconnect_flushes_completed_rows_and_counts_the_open_one() -> None:
+    store = _store(segment_steps=8)
+    h = store.open_stream("s", 1)
+    for k in range(3):
+        _step(store, h, [0], k)
+    h2 = store.open_stream("s", 1)  # the client reconnected: row 2 never gets its reward
+    (seg,) = _drain(store)
+    assert len(seg.rewards) == 2
+    np.testing.assert_array_equal(tensors.decode(seg.bootstrap_obs), [2, 0, 0])
+    assert store.counters.transitions_dropped_disconnect == 1
+    _step(store, h, [0], 99)  # the old stream's late writes are ignored
+    for k in range(3, 12):
+        _step(store, h2, [0], k)
+    (seg2,) = _drain(store)
+    assert (seg2.episode, seg2.t) == (0, 3)  # the episode goes on, one step lost
+    np.testing.assert_array_equal(tensors.decode(seg2.obs)[:, 0], list(range(3, 11)))
+
+
+def test_window_resend_and_ack() -> None:
+    store = _store(segment_steps=2)
+    h = store.open_stream("s", 4)
+    for k in range(3):
+        _step(store, h, [0, 1, 2, 3], k)
+    assert store.take_sendable() == []  # no trainer window yet
+    store.ack(0, 4)
+    assert [s.seq for s in store.take_sendable()] == [1, 2]  # 2 segments x 2 steps fill the window
+    assert store.take_sendable() == []
+    store.ack(1, 4)
+    assert [s.seq for s in store.take_sendable()] == [3]
+    assert store.pending_steps == 6
+    store.trainer_connected()  # unacked 2 and 3 go out again first
+    store.ack(1, 100)
+    assert [s.seq for s in store.take_sendable()] == [2, 3, 4]
+    assert store.counters.segments_resent == 2
+    store.ack(4, 100)
+    assert store.pending_steps == 0 and store.counters.transitions_acked == 8
+
+
+def test_drop_overflow_counts_what_it_drops() -> None:
+    store = _store(segment_steps=2, max_pending_steps=4, overflow="drop")
+    h = store.open_stream("s", 4)
+    for k in range(3):
+        _step(store, h, [0, 1, 2, 3], k)
+    assert store.pending_steps == 4
+    assert store.counters.transitions_dropped_overflow == 4
+    assert [s.env_id for s in _drain(store)] == [2, 3]  # the oldest went first
+
+
+def test_block_overflow_and_sync_quota_make_steps_wait() -> None:
+    async def main() -> None:
+        store = _store(segment_steps=2, max_pending_steps=4)
+        h = store.open_stream("s", 2)
+        for k in range(3):  # the third message completes one 2-step segment per env
+            await store.admit(2)
+            _step(store, h, [0, 1], k)
+        assert store.pending_steps == 4
+        waiter = asyncio.ensure_future(store.admit(2))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # the buffer is full: backpressure
+        store.ack(0, 100)
+        sent = store.take_sendable()
+        store.ack(max(s.seq for s in sent), 100)
+        await asyncio.wait_for(waiter, 1.0)
+        assert store.counters.backpressure_wait_us >= 40_000
+
+        sync = _store(segment_steps=2, sync_steps=4)
+        h = sync.open_stream("s", 2)
+        await sync.admit(2)
+        await sync.admit(2)
+        blocked = asyncio.ensure_future(sync.admit(2))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()  # 4 actions per version, then wait for the publish
+        sync.published()
+        await asyncio.wait_for(blocked, 1.0)
+        assert sync.counters.weight_publishes == 1
+
+    asyncio.run(main())
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        TransitionConfig(overflow="spill")
+    with pytest.raises(ValueError, match="needs weight_sync_interval = 1"):
+        TransitionConfig(sync_steps=64, weight_sync_interval=2)

@@ -1,0 +1,193 @@
+"""The trainer's gRPC link to the edge server's Learner service.
+
+A background thread keeps one ``StreamTransitions`` stream open (reconnecting
+with jittered backoff), drops duplicate segments and queues the rest. The
+training loop takes whole batches with :meth:`TransitionFeed.take` and
+acknowledges them; the acknowledgement carries the window (admission
+control: how many env steps the server may send ahead of the updates).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.trainer.segments import Deduplicator
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+class TransitionFeed:
+    """Segments from the edge server, deduplicated, in order."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        window_steps: int,
+        trainer_id: str = "",
+        timeout_s: float = 30.0,
+        backoff_max_s: float = 5.0,
+    ) -> None:
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        self.server = server
+        self.window_steps = window_steps
+        self.trainer_id = trainer_id
+        self.timeout_s = timeout_s
+        self.backoff_max_s = backoff_max_s
+        self.dedupe = Deduplicator()
+        self.received = 0
+        self.received_steps = 0
+        self.reconnects = 0
+        self._channel = grpc.insecure_channel(
+            server,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ],
+        )
+        self._stub = pb_grpc.LearnerStub(self._channel)
+        self._segments: queue.Queue[pb.Segment] = queue.Queue()
+        self._queued_steps = 0
+        self._acks: queue.Queue[pb.TransitionAck | None] = queue.Queue()
+        self._acked = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name="edgerl-feed", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> TransitionFeed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._acks.put(None)
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(10.0)
+        self._channel.close()
+
+    @property
+    def queued_steps(self) -> int:
+        """Env steps received and not yet taken."""
+        return self._queued_steps
+
+    # -- the training loop's side -------------------------------------------------------------------
+    def take(self, steps: int, should_stop: Any = None, poll_s: float = 0.2) -> list[pb.Segment] | None:
+        """Block until at least ``steps`` env steps are queued; return them (whole segments).
+
+        Returns None when ``should_stop()`` became true first. Raises the feed's
+        error if its thread failed for good.
+        """
+        if steps > self.window_steps:
+            # The server never sends more than the window unacknowledged: this would wait forever.
+            raise ValueError(f"take({steps}): more than window_steps ({self.window_steps})")
+        out: list[pb.Segment] = []
+        got = 0
+        while got < steps:
+            if self._error is not None:
+                raise self._error
+            if should_stop is not None and should_stop():
+                for seg in out:  # put back: nothing taken, nothing acknowledged
+                    self._segments.put(seg)
+                return None
+            try:
+                seg = self._segments.get(timeout=poll_s)
+            except queue.Empty:
+                continue
+            n = len(seg.rewards)
+            with self._lock:
+                self._queued_steps -= n
+            out.append(seg)
+            got += n
+        return out
+
+    def ack(self, seq: int) -> None:
+        """Acknowledge every segment up to ``seq`` (taken into an update)."""
+        self._acked = max(self._acked, seq)
+        self._acks.put(self._ack_message())
+
+    def _ack_message(self) -> pb.TransitionAck:
+        return pb.TransitionAck(
+            acked_seq=self._acked, window_steps=self.window_steps, trainer_id=self.trainer_id
+        )
+
+    # -- the stream thread ------------------------------------------------------------------------------
+    def _requests(self) -> Iterator[pb.TransitionAck]:
+        yield self._ack_message()
+        while not self._stop.is_set():
+            msg = self._acks.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            code = grpc.StatusCode.UNAVAILABLE
+            try:
+                # wait_for_ready: while the server is down the call waits instead of failing.
+                self._call = self._stub.StreamTransitions(self._requests(), wait_for_ready=True)
+                for batch in self._call:
+                    backoff = 0.1
+                    self._take_batch(batch)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self._error = errors.from_grpc(exc)
+                    return
+            if self._stop.is_set():
+                return
+            delay = backoff * random.uniform(0.5, 1.0)
+            log.warning("transitions from %s lost (%s); reconnecting in %.2fs", self.server, code, delay)
+            self.reconnects += 1
+            time.sleep(delay)
+            backoff = min(backoff * 2, self.backoff_max_s)
+            # Anything the server re-sends was either taken already (dedupe drops it) or never arrived.
+            old, self._acks = self._acks, queue.Queue()
+            old.put(None)  # ends the dead call's request iterator
+
+    def _take_batch(self, batch: pb.TransitionBatch) -> None:
+        for seg in batch.segments:
+            self.received += 1
+            if not self.dedupe.first_time(seg):
+                continue
+            n = len(seg.rewards)
+            self.received_steps += n
+            with self._lock:
+                self._queued_steps += n
+            self._segments.put(seg)
+
+
+def publish_weights(
+    stub: pb_grpc.LearnerStub, state: dict[str, Any], version: int, timeout_s: float = 30.0
+) -> pb.PublishWeightsResponse:
+    """Send a torch ``state_dict`` to the edge server as ``version``."""
+    msg = pb.PublishWeightsRequest(version=version)
+    for name, value in state.items():
+        arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+        msg.tensors[name].CopyFrom(tensors.encode(np.array(arr, order="C")))  # keeps 0-d shapes
+    try:
+        resp: pb.PublishWeightsResponse = stub.PublishWeights(msg, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise errors.from_grpc(exc) from None
+    return resp

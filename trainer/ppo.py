@@ -1,0 +1,144 @@
+"""PPO for continuous control, as pure functions.
+
+:func:`gae` works on a flat sequence of transitions made of contiguous
+segments; :func:`ppo_loss` computes the clipped surrogate, the value loss and
+the entropy bonus with masks, so masked rows (stale, fallback, autoreset)
+stay in place and GAE stays contiguous. Nothing here keeps state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GAUSSIAN_ENTROPY_CONST = 0.5 * math.log(2.0 * math.pi * math.e)
+
+
+def gae(
+    rewards: np.ndarray,
+    values: np.ndarray,
+    next_values: np.ndarray,
+    *,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    segment_end: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation over ``n`` transitions in sequence order.
+
+    Args:
+        rewards: ``[n]`` reward of each transition.
+        values: ``[n]`` V(obs) of each transition.
+        next_values: ``[n]`` V of the observation that followed: the next row's
+            observation, or a segment's bootstrap observation for its last row. On
+            a truncated row it is the episode's final observation, so truncation
+            bootstraps; on a terminated row it is ignored (a terminal state is worth 0).
+        terminated, truncated: ``[n]`` bool, the transition ended its episode.
+        segment_end: ``[n]`` bool, the row is the last of its segment (the next row,
+            if any, belongs to another env or another time).
+        gamma, lam: discount and GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, float32 ``[n]``; returns = advantages + values.
+    """
+    n = len(rewards)
+    not_term = 1.0 - terminated.astype(np.float64)
+    cont = 1.0 - (terminated | truncated | segment_end).astype(np.float64)
+    deltas = rewards + gamma * next_values * not_term - values
+    carry = gamma * lam * cont
+    adv = np.zeros(n, np.float64)
+    last = 0.0
+    for i in range(n - 1, -1, -1):
+        last = deltas[i] + carry[i] * last
+        adv[i] = last
+    return adv.astype(np.float32), (adv + values).astype(np.float32)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over rows where ``mask`` is true (0 when none is)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Zero mean, unit std over the masked rows (masked-out rows keep their place)."""
+    mean = masked_mean(adv, mask)
+    var = masked_mean((adv - mean) ** 2, mask)
+    return (adv - mean) / (var.sqrt() + eps)
+
+
+def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of a diagonal Gaussian with the given log-stds (last dim summed)."""
+    return (log_std + _GAUSSIAN_ENTROPY_CONST).sum(-1)
+
+
+@dataclass(frozen=True)
+class LossCoefs:
+    clip: float = 0.2
+    """PPO ratio clip epsilon."""
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    clip_value: bool = True
+    """Clip the value update around the values at update start (CleanRL's clip_vloss)."""
+    is_cap: float = 2.0
+    """Decoupled PPO: cap of the behaviour/proximal importance weight."""
+
+
+def ppo_loss(
+    *,
+    new_log_probs: torch.Tensor,
+    behaviour_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    policy_mask: torch.Tensor,
+    value_mask: torch.Tensor,
+    coefs: LossCoefs,
+    proximal_log_probs: torch.Tensor | None = None,
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO loss of one minibatch and its diagnostics.
+
+    With ``proximal_log_probs`` None the ratio is ``pi / behaviour`` (standard
+    PPO with the stamped behaviour log-prob). Otherwise it is decoupled PPO
+    (Hilton et al. 2022): the ratio is ``pi / proximal`` and each row is
+    weighted by ``min(proximal / behaviour, is_cap)``.
+
+    ``entropy`` is the mean policy entropy (a scalar), added with
+    ``entropy_coef``. Masks may be bool or float (0/1). Returns ``(loss, stats)``;
+    stats are detached, and empty unless ``with_stats``.
+    """
+    base = behaviour_log_probs if proximal_log_probs is None else proximal_log_probs
+    log_ratio = new_log_probs - base
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1.0 - coefs.clip, 1.0 + coefs.clip)
+    surrogate = torch.min(ratio * advantages, clipped * advantages)
+    if proximal_log_probs is not None:
+        weight = (proximal_log_probs - behaviour_log_probs).exp().clamp(max=coefs.is_cap)
+        surrogate = surrogate * weight.detach()
+    pg_loss = -masked_mean(surrogate, policy_mask)
+
+    v_err = (new_values - returns) ** 2
+    if coefs.clip_value:
+        v_clipped = old_values + (new_values - old_values).clamp(-coefs.clip, coefs.clip)
+        v_err = torch.max(v_err, (v_clipped - returns) ** 2)
+    v_loss = 0.5 * masked_mean(v_err, value_mask)
+
+    loss = pg_loss + coefs.value_coef * v_loss - coefs.entropy_coef * entropy
+    if not with_stats:
+        return loss, {}
+    with torch.no_grad():
+        stats = {
+            "policy_loss": pg_loss.detach(),
+            "value_loss": v_loss.detach(),
+            "entropy": entropy.detach(),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, policy_mask),
+            "clip_fraction": masked_mean(((ratio - 1.0).abs() > coefs.clip).float(), policy_mask),
+        }
+    return loss, stats

@@ -1,0 +1,409 @@
+"""The PPO trainer: takes batches from the edge server, learns, publishes weights.
+
+One loop, in order: take ``batch_steps`` env steps of segments (the feed
+has been receiving them meanwhile, up to the window), acknowledge them,
+compute values and GAE, mask what must not drive the policy (stale beyond
+``max_policy_lag``, fallback and autoreset steps), run the PPO epochs,
+update the observation normaliser, publish the weights as ``version + 1``,
+log, checkpoint. Sampling and inference never wait for this loop except
+through the server's bounded buffer (admission control), or, in
+synchronous mode, by design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from edgerl.models import GaussianMLPPolicy, gaussian_log_prob
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.trainer.feed import TransitionFeed, publish_weights
+from edgerl.trainer.ppo import LossCoefs, gae, gaussian_entropy, normalize_advantages, ppo_loss
+from edgerl.trainer.segments import Batch, EpisodeTracker, RewardScaler, assemble
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest.pt"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """PPO and pipeline settings of the trainer (defaults: CleanRL's MuJoCo PPO)."""
+
+    batch_steps: int = 2048
+    """Env steps per update."""
+    epochs: int = 10
+    """Passes over each batch."""
+    minibatch_size: int = 64
+    """Transitions per gradient step."""
+    learning_rate: float = 3e-4
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over ``total_steps``."""
+    total_steps: int = 1_000_000
+    """Env steps the run is planned for (learning-rate schedule, end of training)."""
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip: float = 0.2
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    clip_value_loss: bool = True
+    max_grad_norm: float = 0.5
+    normalize_advantages: bool = True
+    normalize_rewards: bool = True
+    """Scale rewards by the std of the discounted return (per env), clipped to +-10."""
+    target_kl: float = 0.0
+    """Stop an update's epochs early once approx KL exceeds this (0: never)."""
+    max_policy_lag: int = 2
+    """Transitions from weights more than this many publishes old are masked (kept for GAE)."""
+    decoupled: bool = False
+    """Decoupled PPO: ratio against the proximal policy (recomputed at update start),
+    behaviour/proximal weight truncated at ``is_cap``."""
+    is_cap: float = 2.0
+    max_batches_ahead: int = 1
+    """Admission control: the server sends at most this many batches beyond the one being learned."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every N updates (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 3
+    torch_threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_steps", "epochs", "minibatch_size", "total_steps", "max_batches_ahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.minibatch_size > self.batch_steps:
+            raise ValueError(f"minibatch_size ({self.minibatch_size}) must be <= batch_steps")
+        if not 0 < self.gamma <= 1 or not 0 <= self.gae_lambda <= 1:
+            raise ValueError("need 0 < gamma <= 1 and 0 <= gae_lambda <= 1")
+        if self.max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if self.learning_rate <= 0 or self.clip <= 0:
+            raise ValueError("learning_rate and clip must be > 0")
+
+
+class MetricsLog:
+    """Per-update scalars to ``metrics.jsonl`` and TensorBoard, on one global-step axis."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:  # pragma: no cover - tensorboard is a dependency
+                log.warning("tensorboard is not installed; logging to metrics.jsonl only")
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self._jsonl.write(json.dumps({"global_step": step, "time": time.time(), **scalars}) + "\n")
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+@dataclass
+class TrainerState:
+    """Counters saved with checkpoints."""
+
+    version: int = 0
+    updates: int = 0
+    env_steps: int = 0
+    """Env steps taken into updates (the global step)."""
+    masked_stale: int = 0
+    masked_fallback: int = 0
+    masked_autoreset: int = 0
+    wall_s: float = 0.0
+
+
+class Trainer:
+    """PPO on transitions streamed by an edge server at ``server``."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        policy: GaussianMLPPolicy,
+        server: str,
+        run_dir: str | Path,
+        *,
+        resume: bool = False,
+        tensorboard: bool = True,
+    ) -> None:
+        self.config = cfg = config
+        torch.set_num_threads(cfg.torch_threads)
+        torch.manual_seed(cfg.seed)
+        self.policy = policy
+        self.server = server
+        self.run_dir = Path(run_dir)
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
+        self.scaler = RewardScaler(cfg.gamma) if cfg.normalize_rewards else None
+        self.episodes = EpisodeTracker()
+        self.state = TrainerState()
+        self._rng = np.random.default_rng(cfg.seed)
+        self._coefs = LossCoefs(
+            clip=cfg.clip,
+            value_coef=cfg.value_coef,
+            entropy_coef=cfg.entropy_coef,
+            clip_value=cfg.clip_value_loss,
+            is_cap=cfg.is_cap,
+        )
+        if resume:
+            path = latest_checkpoint(self.run_dir)
+            if path is None:
+                raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / CHECKPOINT_DIR}")
+            self.load_checkpoint(path)
+        self.metrics = MetricsLog(self.run_dir, tensorboard)
+        self.feed: TransitionFeed | None = None
+        self._channel: grpc.Channel | None = None
+        self.history: list[dict[str, float]] = []
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def run(
+        self,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_update: Callable[[dict[str, float]], None] | None = None,
+    ) -> TrainerState:
+        """Train until ``total_steps`` env steps were learned from or ``should_stop()``."""
+        cfg = self.config
+        self._channel = grpc.insecure_channel(
+            self.server, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        )
+        stub = pb_grpc.LearnerStub(self._channel)
+        policy_stub = pb_grpc.EdgePolicyStub(self._channel)
+        self.feed = feed = TransitionFeed(
+            self.server,
+            window_steps=cfg.batch_steps * cfg.max_batches_ahead,
+            trainer_id=f"{socket.gethostname()}/{os.getpid()}",
+        ).start()
+        start = time.monotonic() - self.state.wall_s
+        last_t, last_received = time.monotonic(), 0
+        try:
+            while self.state.env_steps < cfg.total_steps and not should_stop():
+                segments = feed.take(cfg.batch_steps, should_stop)
+                if segments is None:
+                    break
+                batch = assemble(segments, self.scaler, self.episodes)
+                feed.ack(batch.last_seq)
+                t0 = time.monotonic()
+                scalars = self.update(batch)
+                update_s = time.monotonic() - t0
+                self.state.version += 1
+                resp = publish_weights(stub, self.policy.state_dict(), self.state.version)
+                now = time.monotonic()
+                scalars.update(
+                    {
+                        "perf/update_s": update_s,
+                        "perf/learner_steps_per_s": batch.size / max(update_s, 1e-9),
+                        "perf/sampler_steps_per_s": (feed.received_steps - last_received) / (now - last_t),
+                        "perf/queue_steps": feed.queued_steps,
+                        "perf/publish_swap_us": resp.swap_us,
+                        "perf/duplicates_dropped": feed.dedupe.duplicates,
+                        "charts/policy_version": self.state.version,
+                        "charts/served_version": resp.policy_version,
+                    }
+                )
+                scalars.update(self._server_counters(policy_stub))
+                last_t, last_received = now, feed.received_steps
+                self.state.wall_s = now - start
+                self.metrics.write(self.state.env_steps, scalars)
+                self.history.append(scalars)
+                if on_update is not None:
+                    on_update(scalars)
+                if cfg.checkpoint_every and self.state.updates % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            feed.close()
+            self._channel.close()
+            if self.state.updates:
+                self.save_checkpoint()
+            self.metrics.close()
+        return self.state
+
+    def _server_counters(self, stub: pb_grpc.EdgePolicyStub) -> dict[str, float]:
+        try:
+            st: pb.StatsResponse = stub.Stats(pb.StatsRequest(), timeout=5.0)
+        except grpc.RpcError as exc:
+            log.warning("server stats unavailable: %s", errors.from_grpc(exc))
+            return {}
+        return {
+            "server/transitions_pending": st.transitions_pending,
+            "server/transitions_dropped_overflow": st.transitions_dropped_overflow,
+            "server/transitions_dropped_disconnect": st.transitions_dropped_disconnect,
+            "server/backpressure_wait_s": st.backpressure_wait_us / 1e6,
+            "server/inference_us_p50": st.inference_us_p50,
+        }
+
+    # -- one update ----------------------------------------------------------------------------------------
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One PPO update on ``batch``; returns the logged scalars."""
+        cfg, pol, st = self.config, self.policy, self.state
+        n = batch.size
+        if cfg.anneal_lr:
+            frac = max(0.0, 1.0 - st.env_steps / cfg.total_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.learning_rate * frac
+        obs_ext = torch.from_numpy(batch.obs_ext)
+        with torch.no_grad():
+            v_ext = pol.value(obs_ext).numpy()
+        values = v_ext[batch.obs_index]
+        adv, ret = gae(
+            batch.rewards,
+            values,
+            v_ext[batch.next_index],
+            terminated=batch.terminated,
+            truncated=batch.truncated,
+            segment_end=batch.segment_end,
+            gamma=cfg.gamma,
+            lam=cfg.gae_lambda,
+        )
+        lag = st.version - batch.versions
+        stale = lag > cfg.max_policy_lag
+        policy_mask_np = ~(stale | batch.fallback | batch.autoreset)
+        value_mask_np = ~(stale | batch.autoreset)
+
+        # The normaliser's statistics stay fixed during the update (they change after
+        # it), so observations are normalised once, not in every minibatch.
+        with torch.no_grad():
+            nobs = pol.obs_norm(obs_ext[torch.from_numpy(batch.obs_index)])
+        actions = torch.from_numpy(batch.actions)
+        behaviour = torch.from_numpy(batch.log_probs)
+        t_adv, t_ret = torch.from_numpy(adv), torch.from_numpy(ret)
+        t_old_v = torch.from_numpy(values)
+        pmask = torch.from_numpy(policy_mask_np).float()
+        vmask = torch.from_numpy(value_mask_np).float()
+        if cfg.normalize_advantages:
+            t_adv = normalize_advantages(t_adv, pmask)
+        proximal = None
+        if cfg.decoupled:
+            with torch.no_grad():
+                proximal = gaussian_log_prob(pol.actor_mean(nobs), pol.actor_log_std, actions)
+
+        params = [p for p in pol.parameters() if p.requires_grad]
+        sums: dict[str, float] = {}
+        measured = 0
+        stop_early = False
+        per_epoch = range(0, n, cfg.minibatch_size)
+        for _ in range(cfg.epochs):
+            perm = torch.from_numpy(self._rng.permutation(n))
+            for lo in per_epoch:
+                idx = perm[lo : lo + cfg.minibatch_size]
+                o = nobs[idx]
+                log_std = pol.actor_log_std
+                last = lo == per_epoch[-1]
+                loss, stats = ppo_loss(
+                    new_log_probs=gaussian_log_prob(pol.actor_mean(o), log_std, actions[idx]),
+                    behaviour_log_probs=behaviour[idx],
+                    advantages=t_adv[idx],
+                    new_values=pol.critic(o).squeeze(-1),
+                    old_values=t_old_v[idx],
+                    returns=t_ret[idx],
+                    entropy=gaussian_entropy(log_std),
+                    policy_mask=pmask[idx],
+                    value_mask=vmask[idx],
+                    coefs=self._coefs,
+                    proximal_log_probs=None if proximal is None else proximal[idx],
+                    with_stats=last,  # diagnostics from each epoch's last minibatch
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, foreach=True)
+                self.optimizer.step()
+                if last:
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                    measured += 1
+            if cfg.target_kl and float(stats["approx_kl"]) > cfg.target_kl:
+                stop_early = True
+                break
+        keep = ~batch.autoreset
+        pol.obs_norm.update(torch.from_numpy(batch.obs_ext[batch.obs_index[keep]]))
+
+        st.updates += 1
+        st.env_steps += n
+        st.masked_stale += int(stale.sum())
+        st.masked_fallback += int(batch.fallback.sum())
+        st.masked_autoreset += int(batch.autoreset.sum())
+        var_ret = float(np.var(ret[value_mask_np])) if value_mask_np.any() else 0.0
+        explained = (
+            1.0 - float(np.var((ret - values)[value_mask_np])) / var_ret if var_ret > 0 else float("nan")
+        )
+        out = {f"losses/{k}": v / measured for k, v in sums.items()}
+        recent = self.episodes.returns[-20:]
+        out.update(
+            {
+                "losses/explained_variance": explained,
+                "losses/learning_rate": self.optimizer.param_groups[0]["lr"],
+                "losses/early_stop": float(stop_early),
+                "staleness/lag_min": float(lag.min()),
+                "staleness/lag_mean": float(lag.mean()),
+                "staleness/lag_max": float(lag.max()),
+                "staleness/masked_stale_fraction": float(stale.mean()),
+                "staleness/masked_fallback_fraction": float(batch.fallback.mean()),
+                "staleness/masked_autoreset_fraction": float(batch.autoreset.mean()),
+                "charts/episodes": float(len(self.episodes.returns)),
+            }
+        )
+        if recent:
+            out["charts/episodic_return"] = float(np.mean(recent))
+            out["charts/episodic_length"] = float(np.mean(self.episodes.lengths[-20:]))
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Weights (normaliser included), optimiser, reward scaler, version and counters."""
+        folder = self.run_dir / CHECKPOINT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"ckpt-{self.state.version:08d}.pt"
+        payload = {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "state": dataclasses.asdict(self.state),
+            "reward_rms": self.scaler.rms.state() if self.scaler else None,
+            "config": dataclasses.asdict(self.config),
+            "hidden": list(self.policy.hidden),
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+        latest = folder / LATEST
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(path.name)
+        for old in sorted(folder.glob("ckpt-*.pt"))[: -self.config.keep_checkpoints]:
+            old.unlink()
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        payload = torch.load(path, weights_only=False)
+        self.policy.load_state_dict(payload["policy"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.state = TrainerState(**payload["state"])
+        if self.scaler is not None and payload.get("reward_rms"):
+            self.scaler.rms.load(payload["reward_rms"])
+        log.info("resumed from %s at version %d", path, self.state.version)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint of a run directory, or None."""
+    latest = Path(run_dir) / CHECKPOINT_DIR / LATEST
+    return latest.resolve() if latest.exists() else None
