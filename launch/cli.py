@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
@@ -265,18 +266,12 @@ def _train_config(a: argparse.Namespace) -> RunConfig:
 
 
 def _train(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import format_summary
     from edgerl.launch.train import run_training
 
     cfg = _train_config(a)
     if a.resume and not cfg.run_dir:
         raise ValueError("--resume needs --run-dir (the run to continue)")
-    summary = run_training(cfg, resume=a.resume, log_level=a.log_level)
-    print(format_summary(summary))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(summary, f, indent=2)
-    return 0
+    return _report(run_training(cfg, resume=a.resume, log_level=a.log_level), a.json)
 
 
 def _bench_learn(a: argparse.Namespace) -> int:
@@ -332,16 +327,15 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
 
 
 def _sim(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import format_summary, watch
+    from edgerl.launch.rollout import watch
 
     with WorkerFleet(_worker_config(a, a.server), a.workers, log_level=a.log_level) as fleet:
         summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
-    print(format_summary(summary))
-    return 0
+    return _report(summary, None)
 
 
 def _rollout(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import format_summary, watch
+    from edgerl.launch.rollout import watch
 
     policy = PolicySpec(a.env, a.policy, a.seed, a.torch_threads)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
@@ -353,9 +347,16 @@ def _rollout(a: argparse.Namespace) -> int:
         with WorkerFleet(_worker_config(a, server.address), a.workers, log_level=a.log_level) as fleet:
             summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
         summary["server"] = server_stats(server.address)
+    return _report(summary, a.json)
+
+
+def _report(summary: dict[str, Any], json_path: str | None) -> int:
+    """Print a run summary; also write it as JSON when asked."""
+    from edgerl.launch.rollout import format_summary
+
     print(format_summary(summary))
-    if a.json:
-        with open(a.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(summary, f, indent=2)
     return 0
 

@@ -109,3 +109,20 @@ def test_shipped_configs_parse() -> None:
     for env in ("HalfCheetah-v5", "Hopper-v5", "InvertedPendulum-v5"):
         cfg, sources = load_config(env, None, {}, [])
         assert cfg.env == env and len(sources) == 2, f"no tuned config for {env}"
+
+
+def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "learn.json"
+    args = ["bench", "learn", "--seeds", "2", "--steps", "1024", "--envs", "4", "--segment-steps", "32"]
+    args += ["--sync", "--run-dir", str(tmp_path / "runs"), "--json", str(out)]
+    proc = subprocess.run([*EDGERL, *args], check=True, timeout=600, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == result
+    for key in ("return_mean", "return_std", "steps_per_s", "wall_s", "stale_fraction", "per_seed"):
+        assert key in result and key in result["sync"]
+    assert [r["seed"] for r in result["per_seed"]] == [0, 1]
+    assert all(r["mode"] == "sync" and r["lag_max"] == 0 for r in result["sync"]["per_seed"])
+    assert all(r["env_steps"] == 1024 for r in result["per_seed"] + result["sync"]["per_seed"])
+    assert result["ratios"]["async/sync steps_per_s"] == pytest.approx(
+        result["steps_per_s"] / result["sync"]["steps_per_s"], rel=1e-2
+    )

@@ -292,8 +292,6 @@ class Trainer:
         t_old_v = torch.from_numpy(values)
         pmask = torch.from_numpy(policy_mask_np).float()
         vmask = torch.from_numpy(value_mask_np).float()
-        if cfg.normalize_advantages:
-            t_adv = normalize_advantages(t_adv, pmask)
         proximal = None
         if cfg.decoupled:
             with torch.no_grad():
@@ -311,15 +309,19 @@ class Trainer:
                 o = nobs[idx]
                 log_std = pol.actor_log_std
                 last = lo == per_epoch[-1]
+                m_p = pmask[idx]
+                a = t_adv[idx]
+                if cfg.normalize_advantages:  # per minibatch, as CleanRL does
+                    a = normalize_advantages(a, m_p)
                 loss, stats = ppo_loss(
                     new_log_probs=gaussian_log_prob(pol.actor_mean(o), log_std, actions[idx]),
                     behaviour_log_probs=behaviour[idx],
-                    advantages=t_adv[idx],
+                    advantages=a,
                     new_values=pol.critic(o).squeeze(-1),
                     old_values=t_old_v[idx],
                     returns=t_ret[idx],
                     entropy=gaussian_entropy(log_std),
-                    policy_mask=pmask[idx],
+                    policy_mask=m_p,
                     value_mask=vmask[idx],
                     coefs=self._coefs,
                     proximal_log_probs=None if proximal is None else proximal[idx],
