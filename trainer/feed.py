@@ -40,7 +40,6 @@ class TransitionFeed:
         *,
         window_steps: int,
         trainer_id: str = "",
-        timeout_s: float = 30.0,
         backoff_max_s: float = 5.0,
     ) -> None:
         if window_steps < 1:
@@ -48,7 +47,6 @@ class TransitionFeed:
         self.server = server
         self.window_steps = window_steps
         self.trainer_id = trainer_id
-        self.timeout_s = timeout_s
         self.backoff_max_s = backoff_max_s
         self.dedupe = Deduplicator()
         self.received = 0
