@@ -191,6 +191,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                                 f"step: {slots.outstanding + waiting[0]} requests already unanswered, "
                                 f"the stream declared max_inflight={slots.max_inflight}"
                             )
+                        waiting[0] += 1  # counted now: the next message's check must see it
                         task = asyncio.get_running_loop().create_task(
                             self._admit_and_submit(store, n, obs, slots, waiting)
                         )
@@ -228,7 +229,6 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     async def _admit_and_submit(
         self, store: TransitionStore, rows: int, obs: np.ndarray, slots: StreamSlots, waiting: list[int]
     ) -> BatchResult:
-        waiting[0] += 1
         try:
             await store.admit(rows)
         finally:
