@@ -67,6 +67,8 @@ class StreamSlots:
     max_inflight: int
     """Most requests the stream may have outstanding (queued or being computed)."""
     outstanding: int = 0
+    admitting: int = 0
+    """Requests read but held back before the batcher (admission control); they count as in flight."""
     queued: int = 0
     open: bool = True
 
@@ -179,11 +181,8 @@ class DynamicBatcher:
         """
         if self._closing:
             raise BatcherClosedError("the server is shutting down")
-        if slots is not None and slots.outstanding >= slots.max_inflight:
-            raise TooManyInflightError(
-                f"step: {slots.outstanding} requests already unanswered, the stream declared "
-                f"max_inflight={slots.max_inflight}"
-            )
+        if slots is not None:
+            self._check_inflight(slots)
         rows = obs.shape[0]
         if self._queued_rows + rows > self.max_queue_rows:
             self.stats.rejected_queue_full += 1
@@ -201,6 +200,30 @@ class DynamicBatcher:
         self._queued_rows += rows
         self._wake.set()
         return future
+
+    def hold(self, slots: StreamSlots) -> None:
+        """Count a request that waits before :meth:`submit` (admission) as in flight.
+
+        The caller calls :meth:`release` before submitting it, or when dropping it.
+
+        Raises:
+            TooManyInflightError: the stream already has ``max_inflight`` requests in flight.
+        """
+        self._check_inflight(slots)
+        slots.admitting += 1
+
+    @staticmethod
+    def release(slots: StreamSlots) -> None:
+        slots.admitting -= 1
+
+    @staticmethod
+    def _check_inflight(slots: StreamSlots) -> None:
+        unanswered = slots.outstanding + slots.admitting
+        if unanswered >= slots.max_inflight:
+            raise TooManyInflightError(
+                f"step: {unanswered} requests already unanswered, the stream declared "
+                f"max_inflight={slots.max_inflight}"
+            )
 
     # -- dispatch ----------------------------------------------------------------------------
     def _ready(self, now_ns: int) -> bool:

@@ -36,6 +36,8 @@ class _Pending:
     env_ids: list[int]
     future: asyncio.Future[BatchResult]
     handle: StreamHandle | None
+    """The transition-store claim when transitions are collected, with the ids as an array."""
+    ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +122,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 except Exception as exc:
                     await context.abort(grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}")
                     return
-                if store is not None and item.handle is not None:
-                    store.record(item.handle, np.asarray(item.env_ids), res)
+                if store is not None and item.handle is not None and item.ids is not None:
+                    store.record(item.handle, item.ids, res)
                 yield _response(item.seq, item.env_ids, res)
         finally:
             self.active_streams -= 1
@@ -142,7 +144,6 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     ) -> None:
         store = self.store
         handle: StreamHandle | None = None
-        waiting = [0]  # requests of this stream waiting for admission
         spec: StreamSpec | None = None
         slots = None
         seq = 0
@@ -171,12 +172,14 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     )
                 step = req.step
                 obs, env_ids = check_step(step, spec, seq, self.obs_shape, self.limits.max_batch_size)
+                ids = None
                 if store is not None and handle is not None:
                     n = len(env_ids)
+                    ids = np.asarray(env_ids)
                     fallback = np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool)
                     store.observe(
                         handle,
-                        np.asarray(env_ids),
+                        ids,
                         obs,
                         rewards=np.asarray(step.rewards, np.float32),
                         terminated=np.asarray(step.terminated, bool),
@@ -186,20 +189,15 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     if not store.try_admit(n) and slots is not None:
                         # Wait for admission off the read path: the stream's other messages
                         # must still be read (they complete rows the trainer is waiting for).
-                        if slots.outstanding + waiting[0] >= slots.max_inflight:
-                            raise TooManyInflightError(
-                                f"step: {slots.outstanding + waiting[0]} requests already unanswered, "
-                                f"the stream declared max_inflight={slots.max_inflight}"
-                            )
-                        waiting[0] += 1  # counted now: the next message's check must see it
+                        self.batcher.hold(slots)
                         task = asyncio.get_running_loop().create_task(
-                            self._admit_and_submit(store, n, obs, slots, waiting)
+                            self._admit_and_submit(store, n, obs, slots)
                         )
-                        out.put_nowait(_Pending(seq, env_ids, task, handle))
+                        out.put_nowait(_Pending(seq, env_ids, task, handle, ids))
                         seq += 1
                         continue
                 future = self.batcher.submit(obs, slots)
-                out.put_nowait(_Pending(seq, env_ids, future, handle))
+                out.put_nowait(_Pending(seq, env_ids, future, handle, ids))
                 seq += 1
             out.put_nowait(_END)
         except InvalidRequestError as exc:
@@ -227,12 +225,12 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 self.batcher.close_stream(slots)
 
     async def _admit_and_submit(
-        self, store: TransitionStore, rows: int, obs: np.ndarray, slots: StreamSlots, waiting: list[int]
+        self, store: TransitionStore, rows: int, obs: np.ndarray, slots: StreamSlots
     ) -> BatchResult:
         try:
             await store.admit(rows)
         finally:
-            waiting[0] -= 1
+            self.batcher.release(slots)
         return await self.batcher.submit(obs, slots)
 
     # -- unary RPCs --------------------------------------------------------------------------------

@@ -125,7 +125,6 @@ class _Session:
         self.autoreset = np.zeros((e, t), bool)
         self.pos = np.zeros(e, np.int64)
         """Completed rows in each env's current segment; row ``pos`` is the open one."""
-        self.has_obs = np.zeros(e, bool)
         self.awaiting = np.zeros(e, bool)
         """Row ``pos`` has its observation and waits for its action."""
         self.has_action = np.zeros(e, bool)
@@ -191,14 +190,13 @@ class TransitionStore:
     def _flush(self, s: _Session) -> None:
         """Cut every env's completed rows into a (short) segment; drop open rows."""
         self.counters.transitions_dropped_disconnect += int(s.has_action.sum())
-        envs = np.flatnonzero((s.pos > 0) & s.has_obs)
+        envs = np.flatnonzero(s.pos > 0)  # completed rows imply an open row with its observation
         for e in envs.tolist():
             p = int(s.pos[e])  # the open row's observation bootstraps the last completed one
             self._emit(s, e, p, s.obs[e, p])
         # The open rows' actions are lost: their episodes continue with a gap of one step.
         s.t[s.has_action] += 1
         s.pos[:] = 0
-        s.has_obs[:] = False
         s.awaiting[:] = False
         s.has_action[:] = False
 
@@ -255,7 +253,6 @@ class TransitionStore:
             s.seg_t[env_ids[start]] = s.t[env_ids[start]]
         s.obs[env_ids, p] = obs
         s.autoreset[env_ids, p] = done
-        s.has_obs[env_ids] = True
         s.awaiting[env_ids] = True
 
     def record(self, handle: StreamHandle, env_ids: np.ndarray, result: BatchResult) -> None:
