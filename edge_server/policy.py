@@ -36,6 +36,8 @@ class PolicyBackend(abc.ABC):
 
     #: Short name reported by ``Describe`` (e.g. ``"torch-mlp"``).
     name: str = "policy"
+    #: Actions per observation; a backend with ``chunk > 1`` returns ``[n, chunk, *act_shape]``.
+    chunk: int = 1
 
     def __init__(
         self,
@@ -72,7 +74,12 @@ class PolicyBackend(abc.ABC):
 
 
 class TorchPolicyBackend(PolicyBackend):
-    """A :class:`GaussianMLPPolicy` evaluated with torch on the CPU."""
+    """A :class:`GaussianMLPPolicy` evaluated with torch on the CPU.
+
+    With ``chunk=K > 1`` the network's action head holds ``K`` actions of the
+    ``len(act_low)`` dimensions of the env, and each observation is answered
+    by a chunk ``[K, act_dim]`` whose log-probability sums over the chunk.
+    """
 
     name = "torch-mlp"
 
@@ -85,8 +92,16 @@ class TorchPolicyBackend(PolicyBackend):
         seed: int = 0,
         version: int = 0,
         compute_values: bool = False,
+        chunk: int = 1,
     ) -> None:
-        super().__init__((policy.obs_dim,), (policy.act_dim,), act_low, act_high, version)
+        step_dim = int(np.asarray(act_low).size)
+        if chunk < 1 or policy.act_dim != chunk * step_dim:
+            raise ValueError(
+                f"chunk: the policy outputs {policy.act_dim} values, "
+                f"not chunk={chunk} x {step_dim} action dims"
+            )
+        super().__init__((policy.obs_dim,), (step_dim,), act_low, act_high, version)
+        self.chunk = chunk
         self.policy = policy.eval()
         self.compute_values = compute_values
         self._rng = np.random.default_rng(seed)
@@ -116,6 +131,8 @@ class TorchPolicyBackend(PolicyBackend):
         noise = self._rng.standard_normal(mean.shape, dtype=np.float32)
         actions = mean + noise * np.exp(log_std)
         log_probs = -0.5 * (noise * noise + _LOG_2PI).sum(-1) - log_std.sum()
+        if self.chunk > 1:
+            actions = actions.reshape(len(obs), self.chunk, *self.act_shape)
         return PolicyResult(
             actions=actions, log_probs=log_probs.astype(np.float32, copy=False), values=values
         )

@@ -262,6 +262,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             backend=b.name,
             env_name=self.env_name,
             server_version=self.server_version,
+            action_chunk=b.chunk,
         )
 
     async def Stats(  # noqa: N802

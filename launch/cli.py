@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
+from edgerl.launch import robot as robot_cli
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
@@ -189,6 +190,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = bsub.add_parser(
+        "robot",
+        formatter_class=_FMT,
+        help="MuJoCo robots behind watchdogs: latency, fallbacks, tick jitter, server outage",
+        description="Run --robots real-time MuJoCo robots at --hz against one edge server; measure "
+        "end-to-end action latency, fallback rate and tick jitter, then kill the server for "
+        "--kill-server-s and report how the robots rode through it.",
+    )
+    p.add_argument("--robots", type=int, default=100, help="robots in all")
+    p.add_argument("--hz", type=float, default=50.0, help="control rate of every robot")
+    p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
+    p.add_argument("--policy", default="mlp", choices=sorted(POLICY_PRESETS), help="policy network preset")
+    p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
+    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
+    p.add_argument("--fallback", default="hold", choices=["hold", "zero", "safe_pose"], help="fallback mode")
+    p.add_argument("--estop-after", type=int, default=150, help="consecutive fallbacks that latch an e-stop")
+    p.add_argument("--processes", type=int, default=2, help="robot processes")
+    p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
+    p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
+    p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
+    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    p.add_argument("--seed", type=int, default=0, help="seeds the robots and the policy")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    _add_common(p)
+
+    p = bsub.add_parser(
         "learn",
         formatter_class=_FMT,
         help="return and env steps/s of full training runs over seeds",
@@ -201,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--sync", action="store_true", help="also run every seed in synchronous mode, side by side"
     )
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    _add_common(p)
+
+    p = sub.add_parser(
+        "robot",
+        formatter_class=_FMT,
+        help="run robots behind the safety watchdog against an edge server",
+        description="Drive --robots instances of --robot at --hz: the watchdog applies fresh policy "
+        "actions and fallbacks otherwise, streams observations to --server, and tells the server "
+        "which steps used a fallback. Ctrl-C stops.",
+    )
+    robot_cli.add_arguments(p)
     _add_common(p)
 
     p = sub.add_parser(
@@ -361,6 +401,42 @@ def _report(summary: dict[str, Any], json_path: str | None) -> int:
     return 0
 
 
+def _robot(a: argparse.Namespace) -> int:
+    code: int = robot_cli.run(a)
+    return code
+
+
+def _bench_robot(a: argparse.Namespace) -> int:
+    from edgerl.launch import bench_robot as br
+
+    cfg = br.BenchRobotConfig(
+        robots=a.robots,
+        hz=a.hz,
+        env=a.env,
+        policy=a.policy,
+        chunk=a.chunk,
+        deadline_ms=a.deadline_ms,
+        fallback=br.Fallback(a.fallback),
+        estop_after=a.estop_after,
+        processes=a.processes,
+        robots_per_slot=a.robots_per_slot,
+        warmup_s=a.warmup_s,
+        duration_s=a.seconds,
+        kill_server_s=a.kill_server_s,
+        delay_ms=a.delay_ms,
+        jitter_ms=a.jitter_ms,
+        drop=a.drop,
+        seed=a.seed,
+        log_level="ERROR" if a.log_level == "WARNING" else a.log_level,
+    )
+    result = br.run_bench_robot(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(json.dumps(result, indent=2))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def _bench_throughput(a: argparse.Namespace) -> int:
     from edgerl.launch import bench_throughput as bt
 
@@ -385,8 +461,8 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"serve": _serve, "sim": _sim, "rollout": _rollout, "train": _train}
-_BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn}
+_COMMANDS = {"serve": _serve, "sim": _sim, "rollout": _rollout, "train": _train, "robot": _robot}
+_BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn, "robot": _bench_robot}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -48,6 +49,8 @@ class PolicySpec:
     """Evaluate the critic with each batch, so transitions carry the served value."""
     checkpoint: str = ""
     """Start from this trainer checkpoint (weights and version) instead of fresh weights."""
+    chunk: int = 1
+    """Actions per observation (action chunks of this length when > 1)."""
 
 
 def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
@@ -63,7 +66,7 @@ def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
     spec = env_spec(policy.env_name)
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
-    net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0], seed=policy.seed)
+    net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0] * policy.chunk, seed=policy.seed)
     version = 0
     if policy.checkpoint:
         payload = torch.load(policy.checkpoint, weights_only=False)
@@ -76,12 +79,17 @@ def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
         seed=policy.seed,
         version=version,
         compute_values=policy.compute_values,
+        chunk=policy.chunk,
     )
     return EdgeServer(backend, config, env_name=policy.env_name, obs_low=spec.obs_low, obs_high=spec.obs_high)
 
 
 def _server_main(
-    policy: PolicySpec, config: ServerConfig, conn: mp.connection.Connection, log_level: str
+    policy: PolicySpec,
+    config: ServerConfig,
+    conn: mp.connection.Connection,
+    log_level: str,
+    go: mp.connection.Connection | None = None,
 ) -> None:
     from edgerl.edge_server.server import serve_until_signal
 
@@ -91,6 +99,10 @@ def _server_main(
 
     async def main() -> None:
         server = build_server(policy, config)
+        if go is not None:  # standby: built and warm, bind only when told
+            server.backend.warmup()
+            conn.send("standby")
+            await asyncio.get_running_loop().run_in_executor(None, go.recv)
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(f.result()))
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
@@ -120,29 +132,56 @@ class ServerProcess:
         self.start_timeout_s = start_timeout_s
         self.port = 0
         self._proc: Any = None
+        self._go: Any = None
+        self._ready: Any = None
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    def start(self) -> str:
+    def start(self, *, standby: bool = False) -> str:
+        """Start the server; after a :meth:`kill` or :meth:`stop` it comes back on the same port.
+
+        With ``standby=True`` the process builds and warms the policy, then waits
+        for :meth:`activate` before it binds: a restart that takes milliseconds.
+        """
+        config = dataclasses.replace(self.config, port=self.port) if self.port else self.config
         parent, child = _CTX.Pipe(duplex=False)
+        go_recv, self._go = _CTX.Pipe(duplex=False) if standby else (None, None)
         self._proc = _CTX.Process(
             target=_server_main,
-            args=(self.policy, self.config, child, self.log_level),
+            args=(self.policy, config, child, self.log_level, go_recv),
             name="edgerl-server",
             daemon=True,
         )
         self._proc.start()
         child.close()
-        if not parent.poll(self.start_timeout_s):
+        self._ready = parent
+        if standby:
+            self._expect("standby")
+            return self.address
+        return self._wait_bound()
+
+    def activate(self) -> str:
+        """Bind a standby server (see :meth:`start`)."""
+        if self._go is None:
+            raise RuntimeError("activate() needs a server started with standby=True")
+        self._go.send("go")
+        self._go = None
+        return self._wait_bound()
+
+    def _expect(self, what: str) -> Any:
+        if not self._ready.poll(self.start_timeout_s):
             self.stop()
             raise TimeoutError(f"edge server did not start within {self.start_timeout_s}s")
-        msg = parent.recv()
-        if not isinstance(msg, int):
+        msg = self._ready.recv()
+        if (what == "standby" and msg != "standby") or (what == "port" and not isinstance(msg, int)):
             self.stop()
             raise RuntimeError(f"edge server failed to start: {msg}")
-        self.port = msg
+        return msg
+
+    def _wait_bound(self) -> str:
+        self.port = self._expect("port")
         return self.address
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -155,6 +194,13 @@ class ServerProcess:
             proc.join(timeout_s)
         if proc.is_alive():
             log.warning("edge server did not stop within %.0fs; killing it", timeout_s)
+            proc.kill()
+            proc.join()
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies as in a crash, with no graceful shutdown."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
             proc.kill()
             proc.join()
 

@@ -46,6 +46,8 @@ class ServerInfo:
     max_message_bytes: int
     max_envs_per_stream: int
     server_version: str
+    action_chunk: int
+    """Actions per observation (K of ``[n, K, *act_shape]`` answers); 1 for a plain policy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +291,7 @@ class EdgeClient:
             max_message_bytes=lim.max_message_bytes,
             max_envs_per_stream=lim.max_envs_per_stream,
             server_version=r.server_version,
+            action_chunk=max(1, r.action_chunk),
         )
 
     async def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:

@@ -53,3 +53,64 @@ def run(coro: object, timeout_s: float = 120.0) -> object:
         return await asyncio.wait_for(coro, timeout_s)  # type: ignore[arg-type]
 
     return asyncio.run(bounded())
+
+
+class ServerThread:
+    """A real edge server on its own event-loop thread, for tests whose clients block.
+
+    ``kill()`` stops it at once (no grace) and ``restart()`` brings it back on the same port.
+    """
+
+    def __init__(self, backend: PolicyBackend, **config: object) -> None:
+        import threading
+
+        self.backend = backend
+        self.config = config
+        self.port = 0
+        self.server: EdgeServer | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _call(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(60)  # type: ignore[arg-type]
+
+    def start(self) -> ServerThread:
+        async def go() -> None:
+            cfg = ServerConfig(port=self.port, **self.config)  # type: ignore[arg-type,unused-ignore]
+            self.server = EdgeServer(self.backend, cfg)
+            self.port = await self.server.start()
+
+        self._call(go())
+        return self
+
+    def in_loop(self, fn: object) -> object:
+        """Run ``fn()`` on the server's loop thread and return its result."""
+
+        async def call() -> object:
+            return fn()  # type: ignore[operator]
+
+        return self._call(call())
+
+    def kill(self) -> None:
+        if self.server is not None:
+            self._call(self.server.stop(grace_s=0.0))
+            self.server = None
+
+    def restart(self) -> None:
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

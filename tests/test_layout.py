@@ -46,7 +46,7 @@ def test_folders_install_under_edgerl_only(tmp_path: Path) -> None:
 
 
 def test_dependencies_point_one_way() -> None:
-    assert not any(n.startswith("edgerl") for n in _imports("watchdog"))
+    assert all(n.startswith("edgerl.watchdog") for n in _imports("watchdog") if n.startswith("edgerl"))
     assert not any(n.startswith(("grpc", "edgerl.proto", "edgerl.robot_client")) for n in _imports("sim"))
     assert not any(n.startswith("edgerl.trainer") for n in _imports("edge_server"))
     assert not any(n.startswith("edgerl.edge_server") for n in _imports("trainer"))

@@ -133,7 +133,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("observation_space", "action_space", "policy_version", "limits", "backend", "env_name", "server_version")
+    __slots__ = ("observation_space", "action_space", "policy_version", "limits", "backend", "env_name", "server_version", "action_chunk")
     OBSERVATION_SPACE_FIELD_NUMBER: _ClassVar[int]
     ACTION_SPACE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class DescribeResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_CHUNK_FIELD_NUMBER: _ClassVar[int]
     observation_space: BoxSpace
     action_space: BoxSpace
     policy_version: int
@@ -148,7 +149,8 @@ class DescribeResponse(_message.Message):
     backend: str
     env_name: str
     server_version: str
-    def __init__(self, observation_space: _Optional[_Union[BoxSpace, _Mapping]] = ..., action_space: _Optional[_Union[BoxSpace, _Mapping]] = ..., policy_version: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., backend: _Optional[str] = ..., env_name: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+    action_chunk: int
+    def __init__(self, observation_space: _Optional[_Union[BoxSpace, _Mapping]] = ..., action_space: _Optional[_Union[BoxSpace, _Mapping]] = ..., policy_version: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., backend: _Optional[str] = ..., env_name: _Optional[str] = ..., server_version: _Optional[str] = ..., action_chunk: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,295 @@
+"""``edgerl bench robot``: many MuJoCo robots behind watchdogs against one edge server.
+
+Robot processes (each one control thread and one network thread, see
+``edgerl.robot_client.runner``) drive ``robots`` real-time MuJoCo robots at
+``hz``. After a warm-up the counters are zeroed and the steady state is
+measured; then, unless ``kill_server_s`` is 0, the server is killed
+(SIGKILL) for that long and restarted on the same port, and the report says
+whether every robot kept its rate, fell back, e-stopped only past
+``estop_after`` and resumed policy actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgerl.edge_server.server import ServerConfig
+from edgerl.launch.processes import PolicySpec, ServerProcess, configure_logging
+from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig
+from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
+
+log = logging.getLogger(__name__)
+_CTX = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class BenchRobotConfig:
+    robots: int = 100
+    """MuJoCo robots in all."""
+    hz: float = 50.0
+    """Control rate of every robot."""
+    env: str = "HalfCheetah-v5"
+    """Gymnasium MuJoCo task each robot simulates."""
+    policy: str = "mlp"
+    """Network preset served."""
+    chunk: int = 1
+    """Actions per policy answer (action chunks when > 1)."""
+    deadline_ms: float = 20.0
+    """Latency budget of a policy action (ms)."""
+    fallback: Fallback = Fallback.HOLD
+    estop_after: int = 150
+    """Consecutive fallbacks that latch an e-stop (150 = 3 s at 50 Hz, longer than the outage)."""
+    processes: int = 2
+    """Robot processes; the robots are split evenly between them."""
+    robots_per_slot: int = 8
+    """Robots ticked back to back in a process (see RobotRunnerConfig)."""
+    warmup_s: float = 3.0
+    duration_s: float = 20.0
+    """Steady-state measurement (seconds)."""
+    kill_server_s: float = 2.0
+    """Outage phase: the server is killed for this long (0: no outage phase)."""
+    recover_s: float = 4.0
+    """How long the outage phase runs after the server is back (seconds)."""
+    delay_ms: float = 0.0
+    """Injected extra latency per answer (ms)."""
+    jitter_ms: float = 0.0
+    """Injected random extra latency per answer, uniform in [0, jitter_ms] (ms)."""
+    drop: float = 0.0
+    """Injected probability that an answer is lost."""
+    seed: int = 0
+    torch_threads: int = 1
+    max_delay_us: int = 500
+    """Server batching delay (us)."""
+    log_level: str = "ERROR"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.robots < 1 or not 1 <= self.processes <= self.robots:
+            raise ValueError("need robots >= 1 and 1 <= processes <= robots")
+        if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0:
+            raise ValueError("need duration_s > 0, warmup_s >= 0 and kill_server_s >= 0")
+
+
+def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(cfg.log_level)
+    from edgerl.robot_client.runner import RobotHost
+    from edgerl.sim.robot import MujocoRobot
+
+    robots = [
+        MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed * 10_000 + first + i, name=f"robot-{first + i}")
+        for i in range(count)
+    ]
+    run_cfg = RobotRunnerConfig(
+        server,
+        WatchdogConfig(
+            hz=cfg.hz, deadline_s=cfg.deadline_ms / 1e3, fallback=cfg.fallback, estop_after=cfg.estop_after
+        ),
+        robots_per_slot=cfg.robots_per_slot,
+        faults=LinkFaults(cfg.delay_ms, cfg.jitter_ms, cfg.drop, seed=cfg.seed + first),
+        connect_timeout_s=60.0,
+    )
+    host = RobotHost(robots, run_cfg, session_id=f"bench-robots-{first}")
+    host.start()
+    conn.send(("ready", host.connected))
+    marks: list[int] = [0] * count
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd == "reset":
+                for link in host.links:
+                    link.reset_stats()
+                conn.send("ok")
+            elif cmd == "mark":
+                marks = [link.watchdog.stats().policy_ticks for link in host.links]
+                conn.send("ok")
+            elif cmd == "stats":
+                out = []
+                for link, mark in zip(host.links, marks, strict=True):
+                    s = link.stats()
+                    s["policy_ticks_since_mark"] = s["policy_ticks"] - mark
+                    s["jitter_s"] = link.watchdog.jitter_s().tolist()
+                    s["latency_s"] = list(link.latencies_s)
+                    out.append(s)
+                conn.send((out, host.reconnects, host.messages, host.control_error is None))
+            elif cmd == "stop":
+                break
+    finally:
+        host.stop()
+        conn.send("stopped")
+
+
+class _Fleet:
+    def __init__(self, cfg: BenchRobotConfig, server: str) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+        bounds = [cfg.robots * i // cfg.processes for i in range(cfg.processes + 1)]
+        for lo, hi in itertools.pairwise(bounds):
+            parent, child = _CTX.Pipe()
+            p = _CTX.Process(target=_robot_main, args=(cfg, server, lo, hi - lo, child), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def ask(self, cmd: str, timeout_s: float = 120.0) -> list[Any]:
+        for c in self.conns:
+            c.send(cmd)
+        out = []
+        for c in self.conns:
+            if not c.poll(timeout_s):
+                raise TimeoutError(f"robot process did not answer {cmd!r} within {timeout_s}s")
+            out.append(c.recv())
+        return out
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        for c in self.conns:
+            if not c.poll(timeout_s):
+                raise TimeoutError("robot processes did not start")
+            _, connected = c.recv()
+            if not connected:
+                raise RuntimeError("a robot process could not connect to the edge server")
+
+    def stop(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                c.send("stop")
+        for p in self.procs:
+            p.join(15.0)
+            if p.is_alive():
+                p.kill()
+
+
+def _pct(values: list[float], q: float, scale: float = 1e3) -> float:
+    return float(np.percentile(np.asarray(values), q) * scale) if values else math.nan
+
+
+def _collect(fleet: _Fleet) -> tuple[list[dict[str, Any]], int, int, bool]:
+    robots: list[dict[str, Any]] = []
+    reconnects = messages = 0
+    healthy = True
+    for out, rec, msgs, ok in fleet.ask("stats"):
+        robots.extend(out)
+        reconnects += rec
+        messages += msgs
+        healthy &= ok
+    return robots, reconnects, messages, healthy
+
+
+def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[str, Any]:
+    ticks = sum(r["ticks"] for r in robots)
+    fallbacks = sum(r["fallbacks"] for r in robots)
+    jitter = [x for r in robots for x in r["jitter_s"]]
+    latency = [x for r in robots for x in r["latency_s"]]
+    rates = [r["ticks"] / seconds for r in robots]
+    return {
+        "latency_ms_p50": _pct(latency, 50),
+        "latency_ms_p99": _pct(latency, 99),
+        "fallback_rate": fallbacks / ticks if ticks else math.nan,
+        "tick_jitter_ms_p99": _pct(jitter, 99),
+        "tick_jitter_ms_p50": _pct(jitter, 50),
+        "tick_rate_hz_min": min(rates),
+        "tick_rate_hz_median": float(np.median(rates)),
+        "ticks": ticks,
+        "fallbacks": fallbacks,
+        "late_actions": sum(r["late_actions"] for r in robots),
+        "loop_deadline_misses": sum(r["loop_deadline_misses"] for r in robots),
+        "estops": sum(r["estops"] for r in robots),
+        "dropped_injected": sum(r["dropped"] for r in robots),
+        "seconds": seconds,
+    }
+
+
+def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-ready report."""
+    configure_logging(cfg.log_level)
+    policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk)
+    server = ServerProcess(
+        policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level
+    )
+    address = server.start()
+    fleet = _Fleet(cfg, address)
+    spare = ServerProcess(server.policy, server.config, log_level=cfg.log_level)
+    try:
+        progress(f"starting {cfg.robots} robots in {cfg.processes} processes against {address}")
+        fleet.wait_ready()
+        time.sleep(cfg.warmup_s)
+        fleet.ask("reset")
+        progress(f"measuring {cfg.duration_s:.0f}s at {cfg.hz:g} Hz")
+        t0 = time.monotonic()
+        time.sleep(cfg.duration_s)
+        robots, reconnects, messages, healthy = _collect(fleet)
+        steady = _summary(robots, time.monotonic() - t0, cfg.hz)
+        steady.update(reconnects=reconnects, messages_per_s=messages / max(1e-9, steady["seconds"]))
+        report: dict[str, Any] = {
+            "bench": "robot",
+            "config": asdict(cfg),
+            **{
+                k: steady[k]
+                for k in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99")
+            },
+            "steady": steady,
+            "control_loops_healthy": healthy,
+        }
+        if cfg.kill_server_s > 0:
+            spare.port = server.port
+            report["outage"] = _outage(cfg, server, spare, fleet, progress)
+        return report
+    finally:
+        fleet.stop()
+        server.stop()
+        spare.stop()
+
+
+def _outage(
+    cfg: BenchRobotConfig,
+    server: ServerProcess,
+    spare: ServerProcess,
+    fleet: _Fleet,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    spare.start(standby=True)  # the replacement, built and warm, not yet bound
+    fleet.ask("reset")
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    progress(f"killing the edge server for {cfg.kill_server_s:g}s")
+    server.kill()
+    t_kill = time.monotonic()
+    time.sleep(cfg.kill_server_s)
+    spare.activate()
+    killed_for = time.monotonic() - t_kill
+    fleet.ask("mark")
+    progress(f"server back on {spare.address}; watching recovery for {cfg.recover_s:g}s")
+    time.sleep(cfg.recover_s)
+    robots, reconnects, _, healthy = _collect(fleet)
+    seconds = time.monotonic() - t0
+    summary = _summary(robots, seconds, cfg.hz)
+    outage_ticks = killed_for * cfg.hz
+    return {
+        "killed_for_s": killed_for,
+        "estop_after_ticks": cfg.estop_after,
+        "outage_ticks": outage_ticks,
+        "robots_kept_rate": sum(r["ticks"] >= 0.98 * seconds * cfg.hz for r in robots),
+        "robots_fell_back": sum(r["fallbacks"] > 0 for r in robots),
+        "robots_estopped": sum(r["estops"] > 0 for r in robots),
+        "robots_estopped_below_n": sum(
+            r["estops"] > 0 and r["max_consecutive_fallbacks"] < cfg.estop_after for r in robots
+        ),
+        "max_consecutive_fallbacks": max(r["max_consecutive_fallbacks"] for r in robots),
+        "robots_resumed": sum(r["policy_ticks_since_mark"] > 0 and not r["estopped"] for r in robots),
+        "robots": len(robots),
+        "reconnects": reconnects,
+        "control_loops_healthy": healthy,
+        **{k: summary[k] for k in ("tick_rate_hz_min", "tick_jitter_ms_p99", "fallback_rate", "ticks")},
+    }

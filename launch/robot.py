@@ -1,0 +1,124 @@
+"""``edgerl robot``: robots of a ``module:Class`` behind watchdogs, streaming to an edge server."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from edgerl.robot_client.robot import Robot, load_robot, robot_class
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
+
+DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="127.0.0.1:50051", help="edge server address host:port")
+    p.add_argument("--robot", default=DEFAULT_ROBOT, help="robot driver as module:Class")
+    p.add_argument(
+        "--robot-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument of the robot class (VALUE parsed as JSON, else a string); repeatable",
+    )
+    p.add_argument("--robots", type=int, default=1, help="robots run by this process (one stream)")
+    p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
+    p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
+    p.add_argument("--safe-pose", default="", help="comma-separated target of --fallback safe_pose")
+    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
+    p.add_argument(
+        "--max-delta", type=float, default=None, help="rate limit per tick (default: 25%% of range)"
+    )
+    p.add_argument(
+        "--estop-after", type=int, default=50, help="consecutive fallbacks that latch an e-stop (0: never)"
+    )
+    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
+    p.add_argument("--seconds", type=float, default=0.0, help="run time (0: until Ctrl-C)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
+    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    p.add_argument("--json", metavar="PATH", help="write the final statistics as JSON")
+
+
+def _parse_kwargs(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--robot-arg: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def build_robots(a: argparse.Namespace) -> list[Robot]:
+    """``--robots`` instances of ``--robot``, given the rate, a seed and a name where the class takes them."""
+    kwargs = _parse_kwargs(a.robot_arg)
+    params = inspect.signature(robot_class(a.robot)).parameters
+    robots = []
+    for i in range(a.robots):
+        kw = dict(kwargs)
+        for key, value in (("hz", a.hz), ("seed", i), ("name", f"robot-{i}" if a.robots > 1 else "")):
+            if key in params and key not in kw:
+                kw[key] = value
+        robots.append(load_robot(a.robot, **kw))
+    return robots
+
+
+def runner_config(a: argparse.Namespace) -> RobotRunnerConfig:
+    pose = tuple(float(x) for x in a.safe_pose.split(",")) if a.safe_pose else None
+    return RobotRunnerConfig(
+        a.server,
+        WatchdogConfig(
+            hz=a.hz,
+            deadline_s=a.deadline_ms / 1e3,
+            fallback=Fallback(a.fallback),
+            max_delta=a.max_delta,
+            estop_after=a.estop_after,
+            safe_pose=pose,
+        ),
+        refill_at=a.refill_at,
+        faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
+    )
+
+
+def _line(stats: list[dict[str, Any]]) -> str:
+    ticks = sum(s["ticks"] for s in stats)
+    fb = sum(s["fallbacks"] for s in stats)
+    lat = [s["latency_ms_p50"] for s in stats if not np.isnan(s["latency_ms_p50"])]
+    return (
+        f"ticks {ticks}  fallbacks {fb} ({fb / max(1, ticks):.2%})  "
+        f"e-stopped {sum(s['estopped'] for s in stats)}/{len(stats)}  "
+        f"latency p50 {np.median(lat) if lat else float('nan'):.1f} ms  "
+        f"version {max(s['policy_version'] for s in stats)}"
+    )
+
+
+def run(a: argparse.Namespace, make_client: Any = None) -> int:
+    robots = build_robots(a)
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        with RobotHost(robots, runner_config(a), client_factory=make_client) as host:
+            t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
+            while not stop.is_set() and time.monotonic() < t_end:
+                stop.wait(min(2.0, max(0.0, t_end - time.monotonic())))
+                print(f"edgerl robot: {_line(host.stats())}", flush=True)
+            stats = host.stats()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    print(json.dumps({"robots": stats}, indent=2))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"robots": stats}, f, indent=2)
+    return 0

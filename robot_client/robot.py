@@ -1,0 +1,104 @@
+"""What edgerl needs of a robot (real, or the MuJoCo one in ``edgerl.sim.robot``).
+
+``Robot`` is a structural protocol: a driver implements these members and
+needs nothing of edgerl. All calls come from the control-loop thread, once
+per tick; none may block for long (they run inside the watchdog's tick).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+class Reading(Protocol):
+    """What ``Robot.read`` returns; :class:`RobotState` is the ready-made one."""
+
+    @property
+    def obs(self) -> np.ndarray: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def terminated(self) -> bool: ...
+    @property
+    def truncated(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RobotState:
+    """One reading of the robot after an action."""
+
+    obs: np.ndarray
+    """Observation, float32 ``[*obs_shape]``."""
+    reward: float = 0.0
+    """What the last applied action earned (task units; 0 where no reward is defined)."""
+    terminated: bool = False
+    """The last action ended the episode in a terminal state."""
+    truncated: bool = False
+    """The episode was cut off (time limit, operator)."""
+
+
+@runtime_checkable
+class Robot(Protocol):
+    """A robot driven at a fixed rate by the watchdog."""
+
+    name: str
+    """Identity used as the stream's session id and in recordings."""
+    obs_shape: tuple[int, ...]
+    action_low: np.ndarray
+    """Lower action limit per dimension (float32)."""
+    action_high: np.ndarray
+    """Upper action limit per dimension (float32)."""
+    joint_names: tuple[str, ...]
+    """Names of the observation entries (recorded in JointState messages)."""
+
+    def safe_action(self) -> np.ndarray:
+        """The stop action an e-stop ramps to (e.g. zero torque or velocity)."""
+        ...
+
+    def read(self) -> Reading:
+        """The current observation and what the last applied action earned."""
+        ...
+
+    def apply(self, action: np.ndarray) -> None:
+        """Send one action (already clamped and rate-limited) to the actuators."""
+        ...
+
+    def reset(self) -> Reading:
+        """Start a new episode (a sim resets; a real robot returns to its start pose)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def robot_class(spec: str) -> type:
+    """The class named by ``module:Class``.
+
+    Raises:
+        ValueError: the spec is malformed or cannot be imported.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"robot: expected 'module:Class', got {spec!r}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"robot {spec!r}: {exc}") from exc
+    if not isinstance(cls, type):
+        raise ValueError(f"robot {spec!r} is not a class")
+    return cls
+
+
+def load_robot(spec: str, **kwargs: Any) -> Robot:
+    """Instantiate ``module:Class`` with ``kwargs`` and check it is a :class:`Robot`.
+
+    Raises:
+        ValueError: the spec is malformed, cannot be imported, or is not a Robot.
+    """
+    robot = robot_class(spec)(**kwargs)
+    if not isinstance(robot, Robot):
+        raise ValueError(f"robot {spec!r}: {type(robot).__name__} does not implement the Robot protocol")
+    return robot

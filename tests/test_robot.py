@@ -1,0 +1,212 @@
+"""Robots behind the watchdog against a real edge server: latency, faults, outages, chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.launch.cli import main
+from edgerl.models import build_policy
+from edgerl.robot_client.robot import Robot, RobotState, load_robot
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.sim.robot import MujocoRobot
+from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
+from tests.helpers import EchoPolicy, ServerThread
+
+HZ = 50.0
+
+
+class CounterRobot:
+    """Observation [tick count, robot id, 0]; applied actions are kept for the test to inspect."""
+
+    obs_shape = (3,)
+    action_low = np.full(2, -1000.0, np.float32)
+    action_high = np.full(2, 1000.0, np.float32)
+    joint_names = ("count", "id", "zero")
+
+    def __init__(self, name: str = "counter", rid: int = 0) -> None:
+        self.name = name
+        self.rid = rid
+        self.count = 0
+        self.applied: list[np.ndarray] = []
+
+    def safe_action(self) -> np.ndarray:
+        return np.zeros(2, np.float32)
+
+    def read(self) -> RobotState:
+        return RobotState(np.array([self.count, self.rid, 0.0], np.float32), reward=1.0)
+
+    def apply(self, action: np.ndarray) -> None:
+        self.applied.append(action.copy())
+        self.count += 1
+
+    def reset(self) -> RobotState:
+        return self.read()
+
+    def close(self) -> None:
+        pass
+
+
+def _run(host: RobotHost, seconds: float) -> list[dict[str, Any]]:
+    with host:
+        time.sleep(seconds)
+        stats: list[dict[str, Any]] = host.stats()
+    return stats
+
+
+def _config(server: str, **kw: Any) -> RobotRunnerConfig:
+    wd = {"hz": HZ, "deadline_s": 0.02, "max_delta": 1e6, **kw.pop("watchdog", {})}
+    return RobotRunnerConfig(server, WatchdogConfig(**wd), **kw)
+
+
+def test_mujoco_robot_runs_one_control_period_per_action() -> None:
+    robot = MujocoRobot("HalfCheetah-v5", hz=50.0)
+    assert isinstance(robot, Robot)
+    assert robot.env.unwrapped.dt == pytest.approx(0.02)
+    before = robot.read().obs.copy()
+    robot.apply(robot.safe_action())
+    assert not np.array_equal(before, robot.read().obs)
+    robot.close()
+
+
+def test_load_robot_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="module:Class"):
+        load_robot("nocolon")
+    with pytest.raises(ValueError, match="does not implement the Robot protocol"):
+        load_robot("collections:OrderedDict")
+
+
+def test_policy_actions_reach_every_robot_in_time() -> None:
+    robots = [CounterRobot(f"c{i}", rid=i) for i in range(3)]
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        stats = _run(RobotHost(robots, _config(srv.address)), 1.5)
+    for r, s in zip(robots, stats, strict=True):
+        assert s["ticks"] >= 60
+        assert s["fallbacks"] <= 2, s  # the first tick has nothing to apply yet
+        assert s["latency_ms_p99"] < 20.0
+        # The echo policy answers the observation [count, id, 0] with [count, id]: each tick
+        # applies the answer to the previous tick's observation, taken after count applies.
+        applied = np.array(r.applied[5:])
+        np.testing.assert_allclose(applied[:, 1], r.rid)
+        np.testing.assert_allclose(applied[:, 0], np.arange(5, 5 + len(applied)))
+
+
+def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_told() -> None:
+    backend = EchoPolicy(3, 2)
+    learner = TransitionConfig(segment_steps=8)
+    robot = CounterRobot()
+    with ServerThread(backend, learner=learner) as srv:
+        cfg = _config(srv.address, faults=LinkFaults(delay_ms=30.0), watchdog={"estop_after": 0})
+        stats = _run(RobotHost([robot], cfg), 1.5)
+
+        def segments() -> list[Any]:
+            store = srv.server.store  # type: ignore[union-attr]
+            store.ack(0, 1 << 20)
+            return list(store.take_sendable())
+
+        segs = segments()
+    (s,) = stats
+    assert s["fallback_rate"] == 1.0
+    assert s["late_actions"] >= 50
+    assert s["latency_ms_p50"] >= 30.0
+    rows = [f for seg in segs for f in seg.fallback[1:]]  # row 0 of the stream precedes any action
+    assert len(rows) >= 40 and all(rows)
+
+
+def test_small_injected_latency_is_absorbed() -> None:
+    robot = CounterRobot()
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        cfg = _config(srv.address, faults=LinkFaults(delay_ms=5.0, jitter_ms=5.0))
+        (s,) = _run(RobotHost([robot], cfg), 1.0)
+    assert s["fallbacks"] <= 2
+    assert 5.0 <= s["latency_ms_p50"] <= 19.0
+
+
+def test_server_killed_robots_keep_rate_fall_back_and_resume() -> None:
+    robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
+    kinds: list[list[TickKind]] = [[], []]
+
+    def record(i: int, tick: Tick, reading: Any, was_reset: bool) -> None:
+        kinds[i].append(tick.kind)
+
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        host = RobotHost(robots, _config(srv.address, watchdog={"estop_after": 100}), on_tick=record)
+        with host:
+            time.sleep(0.5)
+            srv.kill()
+            t_kill = time.monotonic()
+            time.sleep(1.0)
+            srv.restart()
+            down_s = time.monotonic() - t_kill
+            time.sleep(1.5)
+            stats = host.stats()
+    for k, s in zip(kinds, stats, strict=True):
+        assert s["ticks"] >= 0.95 * 3.0 * HZ  # the loop kept its rate throughout
+        assert s["estops"] == 0
+        assert s["max_consecutive_fallbacks"] >= int(down_s * HZ * 0.8)
+        assert k[-1] is TickKind.POLICY  # back on policy actions
+        assert host.reconnects >= 1
+
+
+def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -> None:
+    robot = CounterRobot()
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        host = RobotHost([robot], _config(srv.address, watchdog={"estop_after": 10}))
+        with host:
+            time.sleep(0.3)
+            srv.kill()
+            time.sleep(0.5)
+            srv.restart()
+            time.sleep(0.8)
+            (s,) = host.stats()
+            assert s["estopped"] and s["estops"] == 1
+            assert host.connected  # the link came back, the e-stop did not clear
+            host.links[0].watchdog.reset()
+            time.sleep(0.3)
+            (s,) = host.stats()
+    assert not s["estopped"]
+    np.testing.assert_allclose(robot.applied[-1], [robot.count - 1, 0.0])
+
+
+def test_action_chunks_need_fewer_requests() -> None:
+    net = build_policy("mlp-small", 3, 2 * 4, seed=0)
+    backend = TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
+    robot = CounterRobot()
+    with ServerThread(backend) as srv:
+        cfg = _config(srv.address, refill_at=1, watchdog={"deadline_s": 0.06})
+        (s,) = _run(RobotHost([robot], cfg), 1.5)
+    assert s["fallbacks"] <= 2
+    assert s["requests"] <= s["ticks"] / 2.5  # a request every 3 ticks, not every tick
+    assert s["action_age_ms_p99"] > 40.0  # later actions of a chunk are older
+
+
+def test_chunk_backend_needs_matching_output() -> None:
+    net = build_policy("mlp-small", 3, 6, seed=0)
+    with pytest.raises(ValueError, match="chunk"):
+        TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
+
+
+def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgerl.sim.envs import env_spec
+
+    spec = env_spec("InvertedPendulum-v5")
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
+    out = tmp_path / "robot.json"
+    with ServerThread(TorchPolicyBackend(net, spec.act_low, spec.act_high)) as srv:
+        code = main(
+            ["robot", "--server", srv.address, "--robots", "2", "--hz", "50", "--seconds", "1.5",
+             "--robot-arg", "env=InvertedPendulum-v5", "--fallback", "zero", "--json", str(out)]
+        )  # fmt: skip
+    assert code == 0
+    robots = json.loads(out.read_text())["robots"]
+    assert [r["robot"] for r in robots] == ["robot-0", "robot-1"]
+    for r in robots:
+        assert r["ticks"] >= 60 and r["policy_ticks"] >= r["ticks"] - 3
+        assert r["episodes"] >= 1  # the untrained pendulum falls; the robot was reset
+    assert "edgerl robot: ticks" in capsys.readouterr().out

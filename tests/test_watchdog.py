@@ -1,0 +1,305 @@
+"""The safety watchdog on a fake clock: fallback modes, limits, e-stop, NaN, chunks, timing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edgerl.watchdog.clock import FakeClock, MonotonicClock
+from edgerl.watchdog.watchdog import ControlLoop, Fallback, Tick, TickKind, Watchdog, WatchdogConfig
+
+HZ = 50.0
+PERIOD = 1.0 / HZ
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.ticks: list[Tick] = []
+
+    def __call__(self, tick: Tick) -> None:
+        self.ticks.append(tick)
+
+    @property
+    def actions(self) -> np.ndarray:
+        return np.stack([t.action for t in self.ticks])
+
+    @property
+    def kinds(self) -> list[TickKind]:
+        return [t.kind for t in self.ticks]
+
+
+def make(
+    clock: FakeClock, low: float = -1.0, high: float = 1.0, dims: int = 2, **cfg: object
+) -> tuple[Watchdog, Recorder]:
+    rec = Recorder()
+    config = WatchdogConfig(**{"hz": HZ, "deadline_s": 0.015, "max_delta": 0.1, **cfg})
+    dog = Watchdog([low] * dims, [high] * dims, rec, config, clock=clock)
+    return dog, rec
+
+
+def run_tick(dog: Watchdog, clock: FakeClock, index: int) -> Tick:
+    """Run tick ``index`` on time: the clock moves to its due time first."""
+    due = index * PERIOD
+    clock.advance(max(0.0, due - clock.now()))
+    return dog.tick(index, due, clock.now())
+
+
+def answer(dog: Watchdog, clock: FakeClock, obs_tick: int, actions: object, latency: float = 0.002) -> bool:
+    """Submit the answer to tick ``obs_tick``'s observation ``latency`` after that tick."""
+    clock.advance(max(0.0, obs_tick * PERIOD + latency - clock.now()))
+    accepted: bool = dog.submit(np.asarray(actions, np.float32), obs_tick, obs_tick * PERIOD, tag=7)
+    return accepted
+
+
+def test_fresh_action_is_applied_after_ramp_and_carries_age_and_tag() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock)
+    run_tick(dog, clock, 0)  # nothing yet: fallback (hold at 0)
+    for i in range(0, 6):
+        assert answer(dog, clock, i, [0.25, -0.05])
+        run_tick(dog, clock, i + 1)
+    assert rec.kinds == [TickKind.FALLBACK] + [TickKind.POLICY] * 6
+    # rate limit 0.1 per tick: 0.1, 0.2, then 0.25 reached; the small dimension at once
+    np.testing.assert_allclose(rec.actions[1:4, 0], [0.1, 0.2, 0.25], atol=1e-6)
+    np.testing.assert_allclose(rec.actions[1:, 1], -0.05, atol=1e-6)
+    assert rec.ticks[1].tag == 7
+    assert rec.ticks[1].age_s == pytest.approx(PERIOD)
+    s = dog.stats()
+    assert (s.ticks, s.policy_ticks, s.fallbacks) == (7, 6, 1)
+    assert s.age_ms_p50 == pytest.approx(20.0)
+
+
+def test_late_answer_is_dropped_and_counted() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock)
+    run_tick(dog, clock, 0)
+    assert not answer(dog, clock, 0, [0.5, 0.5], latency=0.016)  # deadline 15 ms
+    run_tick(dog, clock, 1)
+    assert rec.kinds[-1] is TickKind.FALLBACK
+    assert dog.stats().late_actions == 1
+
+
+def test_hold_repeats_last_applied_action() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, fallback="hold")
+    run_tick(dog, clock, 0)
+    for i in range(3):
+        answer(dog, clock, i, [0.1, 0.05])
+        run_tick(dog, clock, i + 1)
+    for i in range(4, 8):  # answers stop
+        run_tick(dog, clock, i)
+    assert rec.kinds[4:] == [TickKind.FALLBACK] * 4
+    np.testing.assert_allclose(rec.actions[4:], [[0.1, 0.05]] * 4, atol=1e-6)
+
+
+def test_zero_ramps_down_through_the_rate_limit() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, fallback="zero")
+    dog._last = np.array([0.35, -0.2], np.float32)  # as if a policy had driven it there
+    for i in range(6):
+        run_tick(dog, clock, i)
+    np.testing.assert_allclose(rec.actions[:, 0], [0.25, 0.15, 0.05, 0.0, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(rec.actions[:, 1], [-0.1, 0.0, 0.0, 0.0, 0.0, 0.0], atol=1e-6)
+
+
+def test_zero_outside_limits_goes_to_the_nearest_limit() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, low=0.2, high=1.0, fallback="zero")
+    run_tick(dog, clock, 0)
+    np.testing.assert_allclose(rec.actions[0], [0.2, 0.2])
+
+
+def test_safe_pose_is_reached_by_a_rate_limited_trajectory() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, fallback="safe_pose", safe_pose=(0.5, -0.3))
+    for i in range(7):
+        run_tick(dog, clock, i)
+    steps = np.abs(np.diff(np.vstack([[0.0, 0.0], rec.actions]), axis=0))
+    assert np.all(steps <= 0.1 + 1e-6)
+    np.testing.assert_allclose(rec.actions[-1], [0.5, -0.3], atol=1e-6)
+    np.testing.assert_allclose(rec.actions[2], [0.3, -0.3], atol=1e-6)
+
+
+def test_safe_pose_mode_needs_a_pose() -> None:
+    with pytest.raises(ValueError, match="safe_pose"):
+        WatchdogConfig(fallback=Fallback.SAFE_POSE)
+
+
+def test_policy_actions_are_clamped_to_limits() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, low=-0.3, high=0.3, max_delta=10.0)
+    run_tick(dog, clock, 0)
+    answer(dog, clock, 0, [5.0, -7.0])
+    run_tick(dog, clock, 1)
+    np.testing.assert_allclose(rec.actions[1], [0.3, -0.3])
+    assert rec.kinds[1] is TickKind.POLICY
+
+
+def test_nan_action_is_never_applied() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock)
+    run_tick(dog, clock, 0)
+    answer(dog, clock, 0, [np.nan, 0.1])
+    run_tick(dog, clock, 1)
+    answer(dog, clock, 1, [0.1, np.inf])
+    run_tick(dog, clock, 2)
+    assert rec.kinds == [TickKind.FALLBACK] * 3
+    assert np.all(np.isfinite(rec.actions))
+    assert dog.stats().nonfinite_actions == 2
+
+
+def test_estop_latches_after_n_fallbacks_and_only_reset_clears_it() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, estop_after=3, fallback="hold")
+    dog._last = np.array([0.3, 0.3], np.float32)
+    for i in range(6):
+        run_tick(dog, clock, i)
+    assert rec.kinds == [TickKind.FALLBACK] * 2 + [TickKind.ESTOP] * 4
+    # the stop action (zeros) is reached through the rate limit, never a jump
+    np.testing.assert_allclose(rec.actions[2:, 0], [0.2, 0.1, 0.0, 0.0], atol=1e-6)
+    # fresh actions do not clear a latched e-stop
+    answer(dog, clock, 5, [0.5, 0.5])
+    run_tick(dog, clock, 6)
+    assert rec.kinds[-1] is TickKind.ESTOP
+    assert dog.stats().estops == 1 and dog.estopped
+    dog.reset()
+    answer(dog, clock, 6, [0.5, 0.5])
+    run_tick(dog, clock, 7)
+    assert rec.kinds[-1] is TickKind.POLICY
+    assert not dog.estopped and dog.stats().consecutive_fallbacks == 0
+
+
+def test_a_policy_action_resets_the_fallback_streak() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, estop_after=3)
+    run_tick(dog, clock, 0)
+    run_tick(dog, clock, 1)
+    answer(dog, clock, 1, [0.0, 0.0])
+    run_tick(dog, clock, 2)
+    run_tick(dog, clock, 3)
+    run_tick(dog, clock, 4)
+    assert TickKind.ESTOP not in rec.kinds
+
+
+def test_chunk_serves_the_following_ticks_then_runs_out() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, max_delta=10.0)
+    run_tick(dog, clock, 0)
+    chunk = [[0.1, 0.0], [0.2, 0.0], [0.3, 0.0]]
+    assert answer(dog, clock, 0, chunk)
+    assert dog.remaining() == 3
+    for i in range(1, 5):
+        run_tick(dog, clock, i)
+    assert rec.kinds[1:] == [TickKind.POLICY] * 3 + [TickKind.FALLBACK]
+    np.testing.assert_allclose(rec.actions[1:4, 0], [0.1, 0.2, 0.3], atol=1e-6)
+    assert [t.age_s for t in rec.ticks[1:4]] == pytest.approx([PERIOD, 2 * PERIOD, 3 * PERIOD])
+    assert dog.remaining() == 0
+
+
+def test_newer_chunk_replaces_older_and_older_is_refused() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock, max_delta=10.0)
+    run_tick(dog, clock, 0)
+    answer(dog, clock, 0, [[0.1, 0.0]] * 4)
+    run_tick(dog, clock, 1)
+    assert answer(dog, clock, 1, [[-0.1, 0.0]] * 4)
+    assert not dog.submit(np.zeros((4, 2), np.float32), 0, 0.0)  # older observation
+    run_tick(dog, clock, 2)
+    np.testing.assert_allclose(rec.actions[2], [-0.1, 0.0])
+
+
+def test_wrong_shape_is_dropped() -> None:
+    clock = FakeClock()
+    dog, _ = make(clock)
+    assert not dog.submit(np.zeros(3, np.float32), 0, 0.0)
+
+
+def test_apply_error_latches_estop() -> None:
+    clock = FakeClock()
+
+    def broken(tick: Tick) -> None:
+        raise RuntimeError("motor driver gone")
+
+    dog = Watchdog([-1.0], [1.0], broken, WatchdogConfig(hz=HZ), clock=clock)
+    dog.tick(0, 0.0, 0.0)
+    assert dog.estopped and dog.stats().apply_errors == 1
+
+
+def test_loop_on_fake_clock_ticks_on_an_absolute_grid() -> None:
+    clock = FakeClock(start=100.0)
+    dog, rec = make(clock)
+    ControlLoop([dog], clock=clock).run_for(50)
+    sched = np.array([t.scheduled for t in rec.ticks])
+    np.testing.assert_allclose(sched - 100.0, np.arange(50) * PERIOD, atol=1e-9)
+    assert [t.index for t in rec.ticks] == list(range(50))
+    assert dog.stats().jitter_ms_p99 == 0.0
+
+
+def test_loop_skips_and_counts_ticks_when_it_runs_late() -> None:
+    clock = FakeClock()
+
+    def slow(tick: Tick) -> None:
+        if tick.index == 3:
+            clock.advance(3.5 * PERIOD)  # the robot call hung for 70 ms
+
+    dog = Watchdog([-1.0], [1.0], slow, WatchdogConfig(hz=HZ), clock=clock)
+    seen: list[int] = []
+    orig = dog.tick
+
+    def spy(index: int, scheduled: float, now: float) -> Tick:
+        seen.append(index)
+        return orig(index, scheduled, now)
+
+    dog.tick = spy
+    ControlLoop([dog], clock=clock).run_for(6)
+    assert seen == [0, 1, 2, 3, 6, 7]
+    assert dog.stats().loop_deadline_misses == 2
+
+
+def test_robots_sharing_a_loop_are_spread_over_the_period() -> None:
+    clock = FakeClock()
+    dogs, recs = zip(*(make(clock) for _ in range(4)), strict=True)
+    ControlLoop(list(dogs), clock=clock).run_for(3)
+    firsts = [r.ticks[0].scheduled for r in recs]
+    np.testing.assert_allclose(firsts, np.arange(4) * PERIOD / 4)
+    assert all(len(r.ticks) == 3 for r in recs)
+
+
+def test_real_clock_loop_keeps_rate_while_nothing_is_submitted() -> None:
+    rec = Recorder()
+    dog = Watchdog([-1.0], [1.0], rec, WatchdogConfig(hz=200.0, estop_after=0), clock=MonotonicClock())
+    dog.start()
+    time.sleep(0.5)
+    dog.stop()
+    n = len(rec.ticks)
+    assert 90 <= n <= 102  # 0.5 s at 200 Hz
+    gaps = np.diff([t.scheduled for t in rec.ticks])
+    np.testing.assert_allclose(gaps, 1 / 200.0, atol=1e-9)  # absolute grid: no drift
+    assert all(t.kind is TickKind.FALLBACK for t in rec.ticks)
+
+
+def test_submit_from_another_thread_while_looping() -> None:
+    rec = Recorder()
+    dog = Watchdog([-1.0], [1.0], rec, WatchdogConfig(hz=100.0, deadline_s=0.05, max_delta=2.0))
+    stop = threading.Event()
+
+    def inference() -> None:
+        while not stop.is_set():
+            last = rec.ticks[-1] if rec.ticks else None
+            if last is not None:
+                dog.submit(np.array([0.5], np.float32), last.index, last.time, tag="v1")
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=inference)
+    dog.start()
+    thread.start()
+    time.sleep(0.4)
+    stop.set()
+    thread.join()
+    dog.stop()
+    policy = [t for t in rec.ticks if t.kind is TickKind.POLICY]
+    assert len(policy) >= 0.8 * len(rec.ticks) - 2
+    assert all(t.tag == "v1" and t.action[0] == pytest.approx(0.5) for t in policy)
