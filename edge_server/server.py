@@ -14,6 +14,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.policy import PolicyBackend
@@ -51,6 +52,14 @@ class ServerConfig:
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
     learner: TransitionConfig | None = None
     """Serve the Learner service (transitions out, weights in) with these settings; None: off."""
+    tls_cert: str = ""
+    """PEM certificate chain of the server; with tls_key, serve TLS instead of plaintext."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_client_ca: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    tokens: str = ""
+    """TOML file of caller tokens (see edgerl.edge_server.auth); when set, every call needs one."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -69,6 +78,14 @@ class ServerConfig:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
 
 
 def package_version() -> str:
@@ -121,6 +138,7 @@ class EdgeServer:
             server_version=package_version(),
             store=self.store,
         )
+        self.auth = TokenAuthInterceptor(load_tokens(cfg.tokens)) if cfg.tokens else None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -133,9 +151,11 @@ class EdgeServer:
     async def start(self) -> int:
         """Bind, start serving, return the bound port."""
         cfg = self.config
-        if cfg.host not in LOOPBACK_HOSTS:
+        if cfg.host not in LOOPBACK_HOSTS and not cfg.tls:
             log.warning(
-                "binding %s without TLS: anyone who can reach this address can drive the policy", cfg.host
+                "binding %s without TLS: anyone who can reach this address can %s",
+                cfg.host,
+                "read the traffic" if self.auth else "drive the policy",
             )
         await asyncio.get_running_loop().run_in_executor(None, self.backend.warmup)
         self.batcher.start()
@@ -144,7 +164,7 @@ class EdgeServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
         pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
         services = [SERVICE_NAME]
         if self.learner is not None:
@@ -156,7 +176,12 @@ class EdgeServer:
             server,
         )
         host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
-        self.port = server.add_insecure_port(f"{host}:{cfg.port}")
+        bind = f"{host}:{cfg.port}"
+        if cfg.tls:
+            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            self.port = server.add_secure_port(bind, creds)
+        else:
+            self.port = server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{cfg.port}")
         await server.start()

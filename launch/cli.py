@@ -16,6 +16,7 @@ from edgerl.launch import robot as robot_cli
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
+from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 
@@ -34,6 +35,19 @@ _DEFAULT_SERVER = ServerConfig()
 #: One core for the edge server, the rest for env stepping (measured best on 2 cores:
 #: a second worker process costs more in contention than it adds in stepping).
 DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)
+
+
+def add_client_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default="", help="PEM CA that signed the server certificate (enables TLS)")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, for servers requiring mTLS")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", default="", help="name to verify the server certificate against")
+    p.add_argument("--token", default="", help=f"caller token (default: ${TOKEN_ENV})")
+
+
+def client_security(a: argparse.Namespace) -> ClientSecurity | None:
+    sec = ClientSecurity(a.tls_ca, a.tls_cert, a.tls_key, a.token, a.tls_server_name)
+    return with_env_token(sec if sec != ClientSecurity() else None)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -132,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULT_SERVER.grace_s,
         help="on shutdown, time in-flight work may take (s)",
     )
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain of the server (enables TLS)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
+    p.add_argument("--tokens", default="", help="TOML file of caller tokens; every call then needs one")
     _add_common(p)
 
     p = sub.add_parser(
@@ -143,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True, help="edge server address, host:port (required)")
     _add_env(p, envs=32)
     _add_workers(p, workers=1)
+    add_client_security(p)
     p.add_argument("--steps", type=int, default=0, help="stop after this many env steps (0: never)")
     p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: never)")
     _add_common(p)
@@ -241,6 +260,45 @@ def build_parser() -> argparse.ArgumentParser:
         "which steps used a fallback. Ctrl-C stops.",
     )
     robot_cli.add_arguments(p)
+    add_client_security(p)
+    _add_common(p)
+
+    p = sub.add_parser(
+        "bag",
+        formatter_class=_FMT,
+        help="ROS 2 bags of robot sessions: summarise, import as transitions",
+        description="Work with bags written by edgerl robot --record.",
+    )
+    bag = p.add_subparsers(dest="bag", required=True, metavar="ACTION")
+    q = bag.add_parser("info", formatter_class=_FMT, help="summarise a bag (JSON)")
+    q.add_argument("path", help="bag folder")
+    _add_common(q)
+    q = bag.add_parser(
+        "import",
+        formatter_class=_FMT,
+        help="turn a bag into trainer transitions",
+        description="Write the bag's transitions as one edgerl.v1.TransitionBatch message "
+        "(the segments the Learner stream carries); load them with "
+        "edgerl.robot_client.bags.load_transitions.",
+    )
+    q.add_argument("path", help="bag folder")
+    q.add_argument("--out", required=True, help="output file (required)")
+    q.add_argument("--segment-steps", type=int, default=32, help="transitions per segment")
+    _add_common(q)
+    q = bag.add_parser("msg", formatter_class=_FMT, help="print the edgerl_msgs/msg/Step definition")
+    _add_common(q)
+
+    p = sub.add_parser(
+        "certs",
+        formatter_class=_FMT,
+        help="make a test CA, server and client certificates and tokens",
+        description="Write ca.pem, server.pem/.key, client.pem/.key and tokens.toml into DIR, for "
+        "trying TLS, mutual TLS and tokens on one machine (use your own PKI in production).",
+    )
+    p.add_argument("dir", help="output folder")
+    p.add_argument(
+        "--hosts", default="localhost,127.0.0.1", help="comma-separated names and IPs the server cert covers"
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -342,6 +400,10 @@ def _serve(a: argparse.Namespace) -> int:
         max_message_bytes=a.max_message_bytes,
         max_envs_per_stream=a.max_envs_per_stream,
         grace_s=a.grace_s,
+        tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
+        tls_client_ca=a.tls_client_ca,
+        tokens=a.tokens,
     )
     server = build_server(PolicySpec(a.env, a.policy, a.seed, a.torch_threads), cfg)
 
@@ -363,6 +425,7 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
         seed=a.seed,
         timeout_s=a.timeout_s,
         max_steps=getattr(a, "steps", 0),
+        security=client_security(a) if hasattr(a, "tls_ca") else None,
     )
 
 
@@ -402,8 +465,39 @@ def _report(summary: dict[str, Any], json_path: str | None) -> int:
 
 
 def _robot(a: argparse.Namespace) -> int:
-    code: int = robot_cli.run(a)
+    code: int = robot_cli.run(a, client_security(a))
     return code
+
+
+def _bag(a: argparse.Namespace) -> int:
+    from edgerl.robot_client import bags
+
+    if a.bag == "msg":
+        print(bags.STEP_MSG, end="")
+    elif a.bag == "info":
+        print(json.dumps(bags.bag_info(a.path), indent=2))
+    else:
+        segments = bags.bag_to_segments(a.path, a.segment_steps)
+        bags.save_transitions(segments, a.out)
+        rows = sum(len(s.rewards) for s in segments)
+        print(f"edgerl: {rows} transitions in {len(segments)} segments -> {a.out}")
+    return 0
+
+
+def _certs(a: argparse.Namespace) -> int:
+    from edgerl.launch.certs import make_dev_pki
+
+    pki = make_dev_pki(a.dir, tuple(h.strip() for h in a.hosts.split(",") if h.strip()))
+    print(f"edgerl: wrote {pki.ca}, {pki.server_cert}, {pki.client_cert} (+ keys) and {pki.tokens}")
+    print(
+        f"  edgerl serve --tls-cert {pki.server_cert} --tls-key {pki.server_key} "
+        f"--tls-client-ca {pki.ca} --tokens {pki.tokens}"
+    )
+    print(
+        f"  EDGERL_TOKEN=<robot token from {pki.tokens.name}> edgerl robot --tls-ca {pki.ca} "
+        f"--tls-cert {pki.client_cert} --tls-key {pki.client_key}"
+    )
+    return 0
 
 
 def _bench_robot(a: argparse.Namespace) -> int:
@@ -461,7 +555,15 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"serve": _serve, "sim": _sim, "rollout": _rollout, "train": _train, "robot": _robot}
+_COMMANDS = {
+    "serve": _serve,
+    "sim": _sim,
+    "rollout": _rollout,
+    "train": _train,
+    "robot": _robot,
+    "certs": _certs,
+    "bag": _bag,
+}
 _BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn, "robot": _bench_robot}
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import inspect
 import json
 import signal
@@ -12,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, load_robot, robot_class
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
@@ -45,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
     p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    p.add_argument(
+        "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
+    )
     p.add_argument("--json", metavar="PATH", help="write the final statistics as JSON")
 
 
@@ -104,17 +111,29 @@ def _line(stats: list[dict[str, Any]]) -> str:
     )
 
 
-def run(a: argparse.Namespace, make_client: Any = None) -> int:
+def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        with RobotHost(robots, runner_config(a), client_factory=make_client) as host:
+        cfg = dataclasses.replace(runner_config(a), security=security)
+        recorder = (
+            BagRecorder(a.record, [RobotTopics(r.name, r.joint_names, r.action_low.size) for r in robots])
+            if a.record
+            else None
+        )
+        host = RobotHost(robots, cfg, on_tick=recorder.record if recorder else None)
+        with contextlib.ExitStack() as stack:
+            if recorder is not None:
+                stack.callback(recorder.close)
+            stack.enter_context(host)
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             while not stop.is_set() and time.monotonic() < t_end:
                 stop.wait(min(2.0, max(0.0, t_end - time.monotonic())))
                 print(f"edgerl robot: {_line(host.stats())}", flush=True)
             stats = host.stats()
+        if recorder is not None:
+            print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
     finally:
         signal.signal(signal.SIGINT, previous)
     print(json.dumps({"robots": stats}, indent=2))

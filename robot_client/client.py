@@ -23,6 +23,7 @@ from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
+from edgerl.robot_client.security import ClientSecurity, open_channel
 
 DEFAULT_TIMEOUT_S = 10.0
 STREAM_DEADLINE_S = 7 * 24 * 3600.0
@@ -160,7 +161,7 @@ class ActStream:
         except TimeoutError:
             raise errors.DeadlineExceededError(f"a write took over {self.timeout_s}s") from None
         except grpc.aio.AioRpcError as exc:
-            raise errors.from_grpc(exc) from None
+            raise await self._call_error(exc) from None
         except asyncio.InvalidStateError:
             raise await self._final_error() from None
 
@@ -182,13 +183,24 @@ class ActStream:
                 f"no answer to step {self._next_recv} within {timeout}s"
             ) from None
         except grpc.aio.AioRpcError as exc:
-            raise errors.from_grpc(exc) from None
+            raise await self._call_error(exc) from None
         if resp is grpc.aio.EOF:
             raise await self._final_error()
         if resp.seq != self._next_recv:
             raise errors.ProtocolError(f"answer for step {resp.seq}, expected {self._next_recv}")
         self._next_recv += 1
         return _decode_actions(resp)
+
+    async def _call_error(self, exc: grpc.aio.AioRpcError) -> errors.EdgeRLError:
+        """The error of a failed read or write: the stream's final status when the failure is
+        the bare INTERNAL that gRPC reports for an operation on a call the server already ended."""
+        if exc.code() != grpc.StatusCode.INTERNAL:
+            return errors.from_grpc(exc)
+        try:
+            async with asyncio.timeout(0.2):
+                return await self._final_error()
+        except TimeoutError:
+            return errors.from_grpc(exc)
 
     async def _final_error(self) -> errors.EdgeRLError:
         code = await self._call.code()
@@ -228,17 +240,28 @@ class EdgeClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = 4 * 1024 * 1024,
+        security: ClientSecurity | None = None,
+        reconnect_backoff_max_s: float = 1.0,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
+        self.security = security or ClientSecurity()
+        self._metadata = self.security.metadata()
+        self._channel = open_channel(
             target,
-            options=[
+            self.security,
+            [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
+                # gRPC's own reconnect backoff grows to 120 s by default, and calls fail
+                # at once while it waits: a restarted server would stay unreachable.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", max(100, int(reconnect_backoff_max_s * 1000))),
             ],
+            aio=True,
         )
         self._stub = pb_grpc.EdgePolicyStub(self._channel)
 
@@ -268,7 +291,9 @@ class EdgeClient:
 
     async def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
         try:
-            return await method(request, timeout=self.timeout_s if timeout_s is None else timeout_s)
+            return await method(
+                request, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise errors.from_grpc(exc) from None
 
@@ -316,7 +341,7 @@ class EdgeClient:
         timeout_s: float | None = None,
     ) -> ActStream:
         """Open an Act stream and send its StreamHello."""
-        call = self._stub.Act(timeout=STREAM_DEADLINE_S)
+        call = self._stub.Act(timeout=STREAM_DEADLINE_S, metadata=self._metadata)
         stream = ActStream(call, num_envs, max_inflight, self.timeout_s if timeout_s is None else timeout_s)
         hello = pb.StreamHello(
             session_id=session_id,
@@ -332,7 +357,7 @@ class EdgeClient:
             call.cancel()
             raise errors.DeadlineExceededError(f"hello not sent within {stream.timeout_s}s") from None
         except grpc.aio.AioRpcError as exc:
-            raise errors.from_grpc(exc) from None
+            raise await stream._call_error(exc) from None
         except asyncio.InvalidStateError:
             raise await stream._final_error() from None
         return stream

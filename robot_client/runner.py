@@ -35,6 +35,7 @@ import numpy as np
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.robot import Reading, Robot
+from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.watchdog import ControlLoop, Tick, Watchdog, WatchdogConfig
 
@@ -80,6 +81,8 @@ class RobotRunnerConfig:
     """Longest reconnect delay (seconds); short, since robots fall back while disconnected."""
     faults: LinkFaults = field(default_factory=LinkFaults)
     """Injected link faults; none by default."""
+    security: ClientSecurity | None = None
+    """TLS files and token of the robots' channel; None: plaintext, no token."""
     stats_window: int = 8192
     """Answers kept for the latency percentiles."""
     robots_per_slot: int = 8
@@ -239,7 +242,7 @@ class RobotLink:
             self._outstanding = False
             self._final = None
 
-    def deliver(self, actions: np.ndarray, version: int, req: _Request) -> None:
+    def deliver(self, actions: np.ndarray, version: int, log_prob: float, req: _Request) -> None:
         """The answer to ``req`` arrived: hand it to the watchdog (after injected faults)."""
         with self._lock:
             final, self._final = self._final, None
@@ -253,14 +256,14 @@ class RobotLink:
             return
         delay_s = (faults.delay_ms + self._rng.uniform(0.0, faults.jitter_ms)) / 1e3
         if delay_s > 0 and self.outbox is not None:
-            self.outbox.loop.call_later(delay_s, self._submit, actions, version, req)
+            self.outbox.loop.call_later(delay_s, self._submit, actions, (version, log_prob), req)
         else:
-            self._submit(actions, version, req)
+            self._submit(actions, (version, log_prob), req)
 
-    def _submit(self, actions: np.ndarray, version: int, req: _Request) -> None:
+    def _submit(self, actions: np.ndarray, tag: tuple[int, float], req: _Request) -> None:
         self.latencies_s.append(self.watchdog.clock.now() - req.time)
-        self.last_version = version
-        self.watchdog.submit(actions, req.tick, req.time, tag=version)
+        self.last_version = tag[0]
+        self.watchdog.submit(actions, req.tick, req.time, tag=tag)
 
     def reset_stats(self) -> None:
         self.watchdog.reset_stats()
@@ -310,9 +313,8 @@ class RobotHost:
         config: link and watchdog settings shared by all of them.
         session_id: the stream's identity (transitions are keyed by it and the
             robot index); default: the robot's name for one robot, else ``host/pid``.
-        client_factory: builds the :class:`EdgeClient` (e.g. with TLS and a
-            token); called on the network thread. Default: a plain channel to
-            ``config.server``.
+        client_factory: builds the :class:`EdgeClient`; called on the network
+            thread. Default: a channel to ``config.server`` with ``config.security``.
         on_tick: called after each tick of any robot (control thread).
     """
 
@@ -339,7 +341,12 @@ class RobotHost:
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
         self._client_factory = client_factory or (
-            lambda: EdgeClient(config.server, timeout_s=config.timeout_s)
+            lambda: EdgeClient(
+                config.server,
+                timeout_s=config.timeout_s,
+                security=config.security,
+                reconnect_backoff_max_s=config.backoff_max_s,
+            )
         )
         self._loop = asyncio.new_event_loop()
         self._net = threading.Thread(target=self._loop.run_forever, name="robot-net", daemon=True)
@@ -426,6 +433,12 @@ class RobotHost:
             while not stopping.is_set():
                 stream: ActStream | None = None
                 try:
+                    info = await client.describe()  # a unary call first: clear auth and shape errors
+                    if info.obs_shape != self.obs_shape:
+                        raise errors.EdgeRLError(
+                            f"the server serves observations of shape {info.obs_shape}, "
+                            f"the robots have {self.obs_shape}"
+                        )
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=len(self.links),
@@ -474,7 +487,9 @@ class RobotHost:
                 answer = await stream.recv(self.config.timeout_s)
                 batch = pending.popleft()
                 for row, (i, req) in enumerate(batch):
-                    self.links[i].deliver(answer.actions[row], answer.policy_version, req)
+                    self.links[i].deliver(
+                        answer.actions[row], answer.policy_version, float(answer.log_probs[row]), req
+                    )
         finally:
             sender.cancel()
             stop_wait.cancel()

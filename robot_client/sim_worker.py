@@ -22,6 +22,7 @@ import numpy as np
 
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient
+from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.envs import make_vector_env
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class SimWorkerConfig:
     """Longest reconnect delay (seconds)."""
     give_up_after_s: float = 60.0
     """Stop reconnecting after this long without a working stream (seconds)."""
+    security: ClientSecurity | None = None
+    """TLS files and token of the channel; None: plaintext, no token."""
 
     def __post_init__(self) -> None:
         if self.num_envs < 1:
@@ -149,7 +152,7 @@ class SimWorker:
         failing_since: float | None = None
         while not self._done(should_stop):
             try:
-                async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s) as client:
+                async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     await client.wait_ready()
                     info = await client.describe()
                     if info.obs_shape != self._obs_shape:

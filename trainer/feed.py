@@ -24,6 +24,7 @@ from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
+from edgerl.robot_client.security import ClientSecurity, open_channel
 from edgerl.trainer.segments import Deduplicator
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class TransitionFeed:
         window_steps: int,
         trainer_id: str = "",
         backoff_max_s: float = 5.0,
+        security: ClientSecurity | None = None,
     ) -> None:
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
@@ -52,13 +54,8 @@ class TransitionFeed:
         self.received = 0
         self.received_steps = 0
         self.reconnects = 0
-        self._channel = grpc.insecure_channel(
-            server,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ],
-        )
+        self.security = security or ClientSecurity()
+        self._channel = learner_channel(server, self.security)
         self._stub = pb_grpc.LearnerStub(self._channel)
         self._segments: queue.Queue[pb.Segment] = queue.Queue()
         self._queued_steps = 0
@@ -144,7 +141,9 @@ class TransitionFeed:
             code = grpc.StatusCode.UNAVAILABLE
             try:
                 # wait_for_ready: while the server is down the call waits instead of failing.
-                self._call = self._stub.StreamTransitions(self._requests(), wait_for_ready=True)
+                self._call = self._stub.StreamTransitions(
+                    self._requests(), wait_for_ready=True, metadata=self.security.metadata()
+                )
                 for batch in self._call:
                     backoff = 0.1
                     self._take_batch(batch)
@@ -176,8 +175,23 @@ class TransitionFeed:
             self._segments.put(seg)
 
 
+def learner_channel(server: str, security: ClientSecurity | None = None) -> grpc.Channel:
+    """A (sync) channel to the edge server sized for segments and weights."""
+    channel: grpc.Channel = open_channel(
+        server,
+        security,
+        [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+        aio=False,
+    )
+    return channel
+
+
 def publish_weights(
-    stub: pb_grpc.LearnerStub, state: dict[str, Any], version: int, timeout_s: float = 30.0
+    stub: pb_grpc.LearnerStub,
+    state: dict[str, Any],
+    version: int,
+    timeout_s: float = 30.0,
+    security: ClientSecurity | None = None,
 ) -> pb.PublishWeightsResponse:
     """Send a torch ``state_dict`` to the edge server as ``version``."""
     msg = pb.PublishWeightsRequest(version=version)
@@ -185,7 +199,9 @@ def publish_weights(
         arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
         msg.tensors[name].CopyFrom(tensors.encode(np.array(arr, order="C")))  # keeps 0-d shapes
     try:
-        resp: pb.PublishWeightsResponse = stub.PublishWeights(msg, timeout=timeout_s)
+        resp: pb.PublishWeightsResponse = stub.PublishWeights(
+            msg, timeout=timeout_s, metadata=(security or ClientSecurity()).metadata()
+        )
     except grpc.RpcError as exc:
         raise errors.from_grpc(exc) from None
     return resp

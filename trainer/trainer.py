@@ -31,7 +31,8 @@ from edgerl.models import GaussianMLPPolicy, gaussian_log_prob
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
-from edgerl.trainer.feed import TransitionFeed, publish_weights
+from edgerl.robot_client.security import ClientSecurity
+from edgerl.trainer.feed import TransitionFeed, learner_channel, publish_weights
 from edgerl.trainer.ppo import LossCoefs, gae, gaussian_entropy, normalize_advantages, ppo_loss
 from edgerl.trainer.segments import Batch, EpisodeTracker, RewardScaler, assemble
 
@@ -149,8 +150,10 @@ class Trainer:
         *,
         resume: bool = False,
         tensorboard: bool = True,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.config = cfg = config
+        self.security = security or ClientSecurity()
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.policy = policy
@@ -186,15 +189,14 @@ class Trainer:
     ) -> TrainerState:
         """Train until ``total_steps`` env steps were learned from or ``should_stop()``."""
         cfg = self.config
-        self._channel = grpc.insecure_channel(
-            self.server, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
-        )
+        self._channel = learner_channel(self.server, self.security)
         stub = pb_grpc.LearnerStub(self._channel)
         policy_stub = pb_grpc.EdgePolicyStub(self._channel)
         self.feed = feed = TransitionFeed(
             self.server,
             window_steps=cfg.batch_steps * cfg.max_batches_ahead,
             trainer_id=f"{socket.gethostname()}/{os.getpid()}",
+            security=self.security,
         ).start()
         start = time.monotonic() - self.state.wall_s
         last_t, last_received = time.monotonic(), 0
@@ -209,7 +211,9 @@ class Trainer:
                 scalars = self.update(batch)
                 update_s = time.monotonic() - t0
                 self.state.version += 1
-                resp = publish_weights(stub, self.policy.state_dict(), self.state.version)
+                resp = publish_weights(
+                    stub, self.policy.state_dict(), self.state.version, security=self.security
+                )
                 now = time.monotonic()
                 scalars.update(
                     {
@@ -242,7 +246,9 @@ class Trainer:
 
     def _server_counters(self, stub: pb_grpc.EdgePolicyStub) -> dict[str, float]:
         try:
-            st: pb.StatsResponse = stub.Stats(pb.StatsRequest(), timeout=5.0)
+            st: pb.StatsResponse = stub.Stats(
+                pb.StatsRequest(), timeout=5.0, metadata=self.security.metadata()
+            )
         except grpc.RpcError as exc:
             log.warning("server stats unavailable: %s", errors.from_grpc(exc))
             return {}

@@ -1,0 +1,142 @@
+"""Robot sessions recorded as ROS 2 bags (MCAP), read back with rosbags, imported as transitions."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rosbags.rosbag2 import Reader
+
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.launch.cli import main
+from edgerl.models import build_policy
+from edgerl.robot_client.bags import (
+    STEP_TYPE,
+    BagRecorder,
+    RobotTopics,
+    bag_info,
+    bag_to_segments,
+    load_transitions,
+    save_transitions,
+    typestore,
+)
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig
+from edgerl.sim.envs import env_spec
+from edgerl.sim.robot import MujocoRobot
+from edgerl.trainer.segments import EpisodeTracker, assemble
+from edgerl.watchdog.watchdog import Tick, WatchdogConfig
+from tests.helpers import ServerThread
+
+ENV = "InvertedPendulum-v5"  # an untrained policy drops the pole within a second: resets happen
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[tuple[Tick, Any, bool]]]]:
+    """Two MuJoCo robots driven for 2 s against a real server, every tick recorded."""
+    spec = env_spec(ENV)
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
+    robots = [MujocoRobot(ENV, hz=50.0, seed=i, name=f"pendulum-{i}") for i in range(2)]
+    path = tmp_path_factory.mktemp("bags") / "session"
+    recorder = BagRecorder(path, [RobotTopics(r.name, r.joint_names, r.action_low.size) for r in robots])
+    seen: list[list[tuple[Tick, Any, bool]]] = [[], []]
+
+    def on_tick(i: int, tick: Tick, reading: Any, was_reset: bool) -> None:
+        seen[i].append((tick, reading, was_reset))
+        recorder.record(i, tick, reading, was_reset)
+
+    with ServerThread(TorchPolicyBackend(net, spec.act_low, spec.act_high)) as srv:
+        cfg = RobotRunnerConfig(srv.address, WatchdogConfig(hz=50.0, estop_after=0))
+        with RobotHost(robots, cfg, on_tick=on_tick):
+            time.sleep(2.0)
+    recorder.close()
+    assert recorder.dropped == 0 and recorder.written == sum(len(s) for s in seen)
+    return path, seen
+
+
+def test_bag_reads_back_with_rosbags_standard_types(session: tuple[Path, Any]) -> None:
+    path, seen = session
+    store = typestore()
+    assert "storage_identifier: mcap" in (path / "metadata.yaml").read_text()
+    assert list(path.glob("*.mcap"))
+    with Reader(path) as reader:
+        types = {c.topic: c.msgtype for c in reader.connections}
+        assert types["/edgerl/pendulum-0/observation"] == "sensor_msgs/msg/JointState"
+        assert types["/edgerl/pendulum-0/action"] == "std_msgs/msg/Float32MultiArray"
+        assert types["/edgerl/pendulum-1/step"] == STEP_TYPE
+        conns = [c for c in reader.connections if c.topic == "/edgerl/pendulum-0/step"]
+        stamps, msgs = [], []
+        for conn, t_ns, raw in reader.messages(connections=conns):
+            msg = store.deserialize_cdr(raw, conn.msgtype)
+            assert msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec == t_ns
+            stamps.append(t_ns)
+            msgs.append(msg)
+    ticks = [t for t, _, _ in seen[0]]
+    assert [m.tick for m in msgs] == [t.index for t in ticks]
+    # timestamps are the control-loop times (shifted by one constant to the wall clock)
+    np.testing.assert_allclose(np.diff(stamps) / 1e9, np.diff([t.time for t in ticks]), atol=2e-6)
+    assert [m.fallback for m in msgs] == [t.fallback for t in ticks]
+
+
+def test_import_gives_the_transitions_the_robot_made(session: tuple[Path, Any]) -> None:
+    path, seen = session
+    segments = bag_to_segments(path, segment_steps=16)
+    for i, ticks in enumerate(seen):
+        segs = [s for s in segments if s.session_id == f"pendulum-{i}"]
+        obs = np.concatenate([np.frombuffer(s.obs.data, np.float32).reshape(-1, 4) for s in segs])
+        act = np.concatenate([np.frombuffer(s.actions.data, np.float32).reshape(-1, 1) for s in segs])
+        rew = np.concatenate([np.asarray(s.rewards, np.float32) for s in segs])
+        auto = np.concatenate([np.asarray(s.autoreset, bool) for s in segs])
+        fb = np.concatenate([np.asarray(s.fallback, bool) for s in segs])
+        # expected: row j = (observation read at tick j-1, action of tick j) -> reward/flags of tick j
+        np.testing.assert_array_equal(obs, np.stack([r.obs for _, r, _ in ticks[:-1]]))
+        np.testing.assert_array_equal(act[:, 0], [t.action[0] for t, _, _ in ticks[1:]])
+        np.testing.assert_array_equal(rew, [r.reward for _, r, _ in ticks[1:]])
+        np.testing.assert_array_equal(auto, [rs for _, _, rs in ticks[1:]])
+        np.testing.assert_array_equal(fb, [t.fallback for t, _, _ in ticks[1:]])
+        assert auto.sum() >= 1  # the pendulum fell and the robot was reset
+        # a reset row closes its episode; the next segment starts episode + 1 at t = 0
+        for a, b in itertools.pairwise(segs):
+            if a.autoreset[-1]:
+                assert (b.episode, b.t) == (a.episode + 1, 0)
+            else:
+                assert (b.episode, b.t) == (a.episode, a.t + len(a.rewards))
+    batch = assemble(segments, None, EpisodeTracker())
+    assert batch.autoreset.sum() == sum(sum(s.autoreset) for s in segments)
+
+
+def test_save_load_and_info(session: tuple[Path, Any], tmp_path: Path) -> None:
+    path, seen = session
+    segments = bag_to_segments(path)
+    out = tmp_path / "t.pb"
+    save_transitions(segments, out)
+    assert load_transitions(out) == segments
+    info = bag_info(path)["robots"]["pendulum-1"]
+    assert info["ticks"] == len(seen[1])
+    assert info["fallbacks"] == sum(t.fallback for t, _, _ in seen[1])
+    assert info["episodes_ended"] == sum(r.terminated or r.truncated for _, r, _ in seen[1])
+    assert info["rate_hz"] == pytest.approx(50.0, rel=0.02)
+    assert (info["obs_dim"], info["act_dim"]) == (4, 1)
+
+
+def test_bag_cli(session: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = session
+    assert main(["bag", "info", str(path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["robots"]) == {"pendulum-0", "pendulum-1"}
+    out = tmp_path / "x.pb"
+    assert main(["bag", "import", str(path), "--out", str(out), "--segment-steps", "8"]) == 0
+    assert "transitions in" in capsys.readouterr().out
+    assert all(len(s.rewards) <= 8 for s in load_transitions(out))
+    assert main(["bag", "msg"]) == 0
+    assert "uint64 policy_version" in capsys.readouterr().out
+
+
+def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:
+    path, _ = session
+    with pytest.raises(FileExistsError):
+        BagRecorder(path, [RobotTopics("r", ("a",), 1)])

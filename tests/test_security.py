@@ -1,0 +1,165 @@
+"""TLS, mutual TLS and caller tokens on a real server: accepted and rejected."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from edgerl.edge_server.auth import load_tokens
+from edgerl.edge_server.server import ServerConfig
+from edgerl.launch.certs import DevPki, make_dev_pki
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient, ServerInfo
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig
+from edgerl.robot_client.security import ClientSecurity
+from edgerl.trainer.feed import learner_channel, publish_weights
+from edgerl.watchdog.watchdog import WatchdogConfig
+from tests.helpers import EchoPolicy, ServerThread, run
+from tests.test_robot import CounterRobot
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> DevPki:
+    return make_dev_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _describe(address: str, security: ClientSecurity | None) -> int:
+    async def go() -> int:
+        async with EdgeClient(address, timeout_s=3.0, security=security) as c:
+            info: ServerInfo = await c.describe()
+            return int(info.obs_shape[0])
+
+    return asyncio.run(asyncio.wait_for(go(), 30.0))
+
+
+async def _one_step(address: str, security: ClientSecurity | None) -> np.ndarray:
+    async with EdgeClient(address, timeout_s=3.0, security=security) as c:
+        stream = await c.open_stream(session_id="s", num_envs=1, obs_shape=(3,))
+        await stream.send([0], np.ones((1, 3), np.float32), [0.0], [False], [False])
+        actions: np.ndarray = (await stream.recv()).actions
+        await stream.close()
+        return actions
+
+
+async def _act_status(address: str, security: ClientSecurity | None) -> grpc.StatusCode:
+    """Final status of an Act stream that sends its hello (and nothing else)."""
+    metadata = security.metadata() if security else ()
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EdgePolicyStub(channel).Act(timeout=5.0, metadata=metadata)
+        hello = pb.StreamHello(session_id="s", num_envs=1, obs_shape=[3])
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call.write(pb.ActRequest(hello=hello))
+        code: grpc.StatusCode = await call.code()
+        return code
+
+
+def _step(address: str, security: ClientSecurity | None) -> np.ndarray:
+    out: np.ndarray = np.asarray(run(_one_step(address, security)))
+    return out
+
+
+def test_tls_accepts_a_client_that_trusts_the_ca_and_refuses_plaintext(pki: DevPki) -> None:
+    with ServerThread(EchoPolicy(3, 2), tls_cert=str(pki.server_cert), tls_key=str(pki.server_key)) as srv:
+        assert _describe(srv.address, ClientSecurity(ca=str(pki.ca))) == 3
+        with pytest.raises(errors.ServerUnavailableError):
+            _describe(srv.address, None)
+
+
+def test_mutual_tls_needs_a_client_certificate(pki: DevPki) -> None:
+    cfg = {"tls_cert": str(pki.server_cert), "tls_key": str(pki.server_key), "tls_client_ca": str(pki.ca)}
+    with ServerThread(EchoPolicy(3, 2), **cfg) as srv:
+        mtls = ClientSecurity(ca=str(pki.ca), cert=str(pki.client_cert), key=str(pki.client_key))
+        assert _describe(srv.address, mtls) == 3
+        np.testing.assert_allclose(_step(srv.address, mtls), [[1.0, 1.0]])
+        with pytest.raises(errors.ServerUnavailableError):
+            _describe(srv.address, ClientSecurity(ca=str(pki.ca)))  # TLS, but no client certificate
+
+
+def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
+    from edgerl.edge_server.transitions import TransitionConfig
+
+    with ServerThread(EchoPolicy(3, 2), tokens=str(pki.tokens), learner=TransitionConfig()) as srv:
+        robot = ClientSecurity(token=pki.robot_token)
+        trainer = ClientSecurity(token=pki.trainer_token)
+        for bad in (None, ClientSecurity(token="not-a-valid-token-at-all")):
+            with pytest.raises(errors.UnauthenticatedError, match="token"):
+                _describe(srv.address, bad)
+            assert run(_act_status(srv.address, bad)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _describe(srv.address, robot) == 3
+        np.testing.assert_allclose(_step(srv.address, robot), [[1.0, 1.0]])
+
+        channel = learner_channel(srv.address)
+        stub = pb_grpc.LearnerStub(channel)
+        with pytest.raises(errors.PermissionDeniedError, match="robot-1"):
+            publish_weights(stub, {}, 1, security=robot)
+        with pytest.raises(grpc.RpcError) as info:
+            next(
+                iter(stub.StreamTransitions(iter([pb.TransitionAck()]), metadata=robot.metadata(), timeout=3))
+            )
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # the trainer's token passes authentication; the echo policy then refuses weights by itself
+        with pytest.raises(errors.RpcError) as trainer_info:
+            publish_weights(stub, {}, 1, security=trainer)
+        assert trainer_info.value.code not in (
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+        # health stays open for probes without credentials
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        channel.close()
+        assert srv.server is not None and srv.server.auth is not None
+        assert srv.server.auth.rejected_unauthenticated == 4
+        assert srv.server.auth.rejected_permission == 2
+
+
+def test_robots_run_over_mutual_tls_with_a_token(pki: DevPki) -> None:
+    cfg = {
+        "tls_cert": str(pki.server_cert),
+        "tls_key": str(pki.server_key),
+        "tls_client_ca": str(pki.ca),
+        "tokens": str(pki.tokens),
+    }
+    sec = ClientSecurity(str(pki.ca), str(pki.client_cert), str(pki.client_key), pki.robot_token)
+    with ServerThread(EchoPolicy(3, 2), **cfg) as srv:
+        run_cfg = RobotRunnerConfig(srv.address, WatchdogConfig(hz=50.0, max_delta=1e6), security=sec)
+        with RobotHost([CounterRobot()], run_cfg) as host:
+            time.sleep(1.0)
+            (s,) = host.stats()
+    assert s["ticks"] >= 45 and s["fallbacks"] <= 2
+
+
+def test_tokens_file_errors_name_the_entry(tmp_path: Path) -> None:
+    f = tmp_path / "t.toml"
+    f.write_text('[[token]]\nname = "a"\nrole = "admin"\ntoken = "0123456789abcdefXYZ"\n')
+    with pytest.raises(ValueError, match=r"token\[0\]\.role"):
+        load_tokens(f)
+    f.write_text('[[token]]\nname = "a"\nrole = "robot"\ntoken = "short"\n')
+    with pytest.raises(ValueError, match=r"token\[0\]\.token"):
+        load_tokens(f)
+    with pytest.raises(ValueError, match="no file"):
+        load_tokens(tmp_path / "missing.toml")
+
+
+def test_tls_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        ServerConfig(tls_cert="a.pem")
+    with pytest.raises(ValueError, match="mutual TLS"):
+        ServerConfig(tls_client_ca="ca.pem")
+    with pytest.raises(ValueError, match="needs the server's CA"):
+        ClientSecurity(cert="c.pem", key="c.key")
+
+
+def test_missing_tls_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tls ca: no file"):
+        ClientSecurity(ca=str(tmp_path / "nope.pem")).channel_credentials()
+    asyncio.set_event_loop(None)
