@@ -4,7 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto proto-check bench bench-learn clean
+.PHONY: demo test lint typecheck proto proto-check bench bench-learn bench-robot cpp cpp-deps clean
+
+# What the C++ client (robot_client/cpp) builds against: the system gRPC and protobuf.
+CPP_DEBS := cmake g++ make pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +19,20 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/edgerl train
 
-## Every check CI runs: generated code fresh, lint, types, tests.
-test: $(STAMP) proto-check lint typecheck
-	$(BIN)/python -m pytest -q
+## Every check CI runs: generated code fresh, lint, types, tests (the C++ client's included).
+test: $(STAMP) cpp-deps proto-check lint typecheck
+	EDGERL_REQUIRE_CPP=1 $(BIN)/python -m pytest -q
+
+## Install the C++ client's build dependencies with apt when they are missing (root or sudo).
+cpp-deps:
+	@if command -v cmake >/dev/null && command -v grpc_cpp_plugin >/dev/null && [ -e /usr/include/grpcpp/grpcpp.h ]; then :; \
+	else SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(CPP_DEBS); fi
+
+## The C++ client: build/cpp/edgerl_cpp_client.
+cpp: cpp-deps
+	cmake -S robot_client/cpp -B build/cpp -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/cpp -j
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -42,6 +56,10 @@ bench: $(STAMP)
 bench-learn: $(STAMP)
 	$(BIN)/edgerl bench learn --env HalfCheetah-v5 --seeds 3 --json bench-results/learn-HalfCheetah-v5.json
 	$(BIN)/edgerl bench learn --env Hopper-v5 --seeds 3 --json bench-results/learn-Hopper-v5.json
+
+## The robot figures of the README: 100 MuJoCo robots at 50 Hz, then a 2 s server outage.
+bench-robot: $(STAMP)
+	$(BIN)/edgerl bench robot --robots 100 --hz 50 --json bench-results/robot-100x50Hz.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,187 @@
+// edgerl_cpp_client: stream observations to an edgerl edge server from a fixed-rate loop
+// and print the actions that come back. It shows that the wire contract (proto/edgerl/v1/
+// edge.proto) is all a robot controller outside Python needs.
+//
+//   edgerl_cpp_client --server HOST:PORT [--steps N] [--hz HZ] [--session ID]
+//                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
+//
+// Each step sends one StepObservation (env 0) whose observation is a deterministic test
+// signal, obs[i] = sin(0.1 * step + i), waits for its ActResponse (deadline 2 s), checks the
+// sequence number and prints one line: "step <n> version <v> obs <...> action <...>".
+// The last line is "OK steps=<n> version=<v>"; any failure prints "ERROR <code> <message>"
+// and exits 1.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "edgerl/v1/edge.grpc.pb.h"
+
+namespace {
+
+struct Options {
+  std::string server = "127.0.0.1:50051";
+  int steps = 10;
+  double hz = 0.0;  // 0: as fast as the server answers
+  std::string session = "cpp-client";
+  std::string token;
+  std::string ca, cert, key;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+Options Parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--server") o.server = next();
+    else if (a == "--steps") o.steps = std::stoi(next());
+    else if (a == "--hz") o.hz = std::stod(next());
+    else if (a == "--session") o.session = next();
+    else if (a == "--token") o.token = next();
+    else if (a == "--ca") o.ca = next();
+    else if (a == "--cert") o.cert = next();
+    else if (a == "--key") o.key = next();
+    else throw std::runtime_error("unknown option " + a);
+  }
+  return o;
+}
+
+// FLOAT32 tensor, little-endian raw bytes (x86 and ARM hosts are little-endian).
+edgerl::v1::Tensor Float32(const std::vector<float>& values, const std::vector<int64_t>& shape) {
+  edgerl::v1::Tensor t;
+  t.set_dtype(edgerl::v1::FLOAT32);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+std::vector<float> Floats(const edgerl::v1::Tensor& t) {
+  if (t.dtype() != edgerl::v1::FLOAT32) throw std::runtime_error("actions: expected FLOAT32");
+  std::vector<float> out(t.data().size() / sizeof(float));
+  std::memcpy(out.data(), t.data().data(), out.size() * sizeof(float));
+  return out;
+}
+
+void Print(const char* label, const std::vector<float>& v) {
+  std::cout << ' ' << label;
+  for (float x : v) std::cout << ' ' << x;
+}
+
+int Fail(const grpc::Status& s) {
+  std::cout << "ERROR " << s.error_code() << ' ' << s.error_message() << std::endl;
+  return 1;
+}
+
+void AddAuth(grpc::ClientContext* ctx, const Options& o, double deadline_s) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
+  if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = Parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "edgerl_cpp_client: " << e.what() << std::endl;
+    return 2;
+  }
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!o.ca.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = ReadFile(o.ca);
+    if (!o.cert.empty()) {
+      ssl.pem_cert_chain = ReadFile(o.cert);
+      ssl.pem_private_key = ReadFile(o.key);
+    }
+    creds = grpc::SslCredentials(ssl);
+  }
+  auto channel = grpc::CreateChannel(o.server, creds);
+  auto stub = edgerl::v1::EdgePolicy::NewStub(channel);
+
+  // Describe: spaces, version and limits.
+  edgerl::v1::DescribeResponse info;
+  {
+    grpc::ClientContext ctx;
+    AddAuth(&ctx, o, 5.0);
+    grpc::Status s = stub->Describe(&ctx, edgerl::v1::DescribeRequest(), &info);
+    if (!s.ok()) return Fail(s);
+  }
+  int64_t obs_dim = 1;
+  for (int64_t d : info.observation_space().shape()) obs_dim *= d;
+  std::cout << "server " << info.server_version() << " backend " << info.backend() << " env "
+            << info.env_name() << " obs_dim " << obs_dim << " act_dim "
+            << info.action_space().shape(0) << " version " << info.policy_version() << std::endl;
+
+  // The Act stream: hello first, then one step per loop iteration.
+  grpc::ClientContext ctx;
+  AddAuth(&ctx, o, 3600.0);
+  auto stream = stub->Act(&ctx);
+  edgerl::v1::ActRequest hello;
+  auto* h = hello.mutable_hello();
+  h->set_session_id(o.session);
+  h->set_env_name(info.env_name());
+  h->set_num_envs(1);
+  for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
+  h->set_max_inflight(1);
+  if (!stream->Write(hello)) return Fail(stream->Finish());
+
+  const auto period = std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0);
+  auto next_tick = std::chrono::steady_clock::now();
+  uint64_t version = 0;
+  for (int step = 0; step < o.steps; ++step) {
+    std::vector<float> obs(obs_dim);
+    for (int64_t i = 0; i < obs_dim; ++i) obs[i] = static_cast<float>(std::sin(0.1 * step + i));
+    edgerl::v1::ActRequest req;
+    auto* st = req.mutable_step();
+    st->set_seq(step);
+    st->add_env_ids(0);
+    *st->mutable_obs() = Float32(obs, {1, obs_dim});
+    st->add_rewards(0.0f);
+    st->add_terminated(false);
+    st->add_truncated(false);
+    if (!stream->Write(req)) return Fail(stream->Finish());
+    edgerl::v1::ActResponse resp;
+    if (!stream->Read(&resp)) return Fail(stream->Finish());
+    if (resp.seq() != static_cast<uint64_t>(step)) {
+      std::cout << "ERROR protocol answer for step " << resp.seq() << ", expected " << step << std::endl;
+      return 1;
+    }
+    version = resp.policy_version();
+    std::cout << "step " << step << " version " << version;
+    Print("obs", obs);
+    Print("action", Floats(resp.actions()));
+    std::cout << " queue_wait_us " << resp.queue_wait_us() << std::endl;
+    if (o.hz > 0) {
+      next_tick += std::chrono::duration_cast<std::chrono::steady_clock::duration>(period);
+      std::this_thread::sleep_until(next_tick);  // absolute deadlines: no drift
+    }
+  }
+  stream->WritesDone();
+  grpc::Status s = stream->Finish();
+  if (!s.ok()) return Fail(s);
+  std::cout << "OK steps=" << o.steps << " version=" << version << std::endl;
+  return 0;
+}
