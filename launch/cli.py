@@ -224,8 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
     p.add_argument("--fallback", default="hold", choices=["hold", "zero", "safe_pose"], help="fallback mode")
     p.add_argument("--estop-after", type=int, default=150, help="consecutive fallbacks that latch an e-stop")
-    p.add_argument("--processes", type=int, default=2, help="robot processes")
+    p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
+    p.add_argument(
+        "--realtime-priority", type=int, default=0, help="SCHED_FIFO priority of the control threads (0: off)"
+    )
     p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
     p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
     p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
@@ -514,6 +517,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
         estop_after=a.estop_after,
         processes=a.processes,
         robots_per_slot=a.robots_per_slot,
+        realtime_priority=a.realtime_priority,
         warmup_s=a.warmup_s,
         duration_s=a.seconds,
         kill_server_s=a.kill_server_s,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgerl.watchdog.clock import FakeClock, MonotonicClock
-from edgerl.watchdog.watchdog import ControlLoop, Fallback, Tick, TickKind, Watchdog, WatchdogConfig
+from edgerl.watchdog.watchdog import ControlLoop, Fallback, Samples, Tick, TickKind, Watchdog, WatchdogConfig
 
 HZ = 50.0
 PERIOD = 1.0 / HZ
@@ -303,3 +303,32 @@ def test_submit_from_another_thread_while_looping() -> None:
     policy = [t for t in rec.ticks if t.kind is TickKind.POLICY]
     assert len(policy) >= 0.8 * len(rec.ticks) - 2
     assert all(t.tag == "v1" and t.action[0] == pytest.approx(0.5) for t in policy)
+
+
+def test_idle_hook_gets_the_time_until_the_next_tick() -> None:
+    clock = FakeClock()
+    dog, rec = make(clock)
+    waits: list[float] = []
+
+    def idle(seconds: float) -> None:
+        waits.append(seconds)
+        clock.advance(min(seconds, 0.005))  # woken early by traffic every 5 ms
+
+    ControlLoop([dog], clock=clock, idle=idle).run_for(3)
+    assert [t.scheduled for t in rec.ticks] == pytest.approx([0.0, PERIOD, 2 * PERIOD])
+    assert [t.time for t in rec.ticks] == pytest.approx([0.0, PERIOD, 2 * PERIOD])
+    assert waits == pytest.approx([0.02, 0.015, 0.01, 0.005] * 2)
+
+
+def test_samples_ring_keeps_the_last_window() -> None:
+    s = Samples(4)
+    assert len(s) == 0 and np.isnan(s.percentile_ms(50))
+    for x in (1.0, 2.0, 3.0):
+        s.append(x)
+    np.testing.assert_array_equal(s.values(), [1.0, 2.0, 3.0])
+    for x in (4.0, 5.0, 6.0):
+        s.append(x)
+    np.testing.assert_array_equal(s.values(), [3.0, 4.0, 5.0, 6.0])
+    assert s.percentile_ms(100) == pytest.approx(6000.0)
+    s.clear()
+    assert len(s) == 0

@@ -28,8 +28,8 @@ import enum
 import heapq
 import logging
 import math
+import os
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,10 +160,41 @@ class _Chunk:
     tag: Any
 
 
-def _percentile_ms(values: deque[float], q: float) -> float:
-    if not values:
-        return math.nan
-    return float(np.percentile(np.fromiter(values, np.float64, len(values)), q) * 1e3)
+class Samples:
+    """The last ``size`` float samples, in a preallocated numpy ring.
+
+    Unlike a deque of floats it holds no Python objects: with 100 robots a
+    deque-based window kept ~1M of them alive, and every full garbage
+    collection walked them while the control loop waited.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self._buf = np.zeros(size, np.float64)
+        self._next = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def append(self, value: float) -> None:
+        self._buf[self._next] = value
+        self._next = (self._next + 1) % len(self._buf)
+        self._count = min(self._count + 1, len(self._buf))
+
+    def clear(self) -> None:
+        self._next = self._count = 0
+
+    def values(self) -> np.ndarray:
+        """The samples held (oldest first)."""
+        if self._count < len(self._buf):
+            return self._buf[: self._count].copy()
+        return np.concatenate([self._buf[self._next :], self._buf[: self._next]])
+
+    def percentile_ms(self, q: float) -> float:
+        """The ``q``-th percentile of samples in seconds, in milliseconds; NaN when empty."""
+        return float(np.percentile(self.values(), q) * 1e3) if self._count else math.nan
 
 
 class Watchdog:
@@ -217,8 +248,8 @@ class Watchdog:
              "nonfinite_actions", "apply_errors"),
             0,
         )  # fmt: skip
-        self._ages: deque[float] = deque(maxlen=cfg.stats_window)
-        self._jitter: deque[float] = deque(maxlen=cfg.stats_window)
+        self._ages = Samples(cfg.stats_window)
+        self._jitter = Samples(cfg.stats_window)
         self._last_warning = -math.inf
         self._fallbacks_at_warning = 0
         self._loop: ControlLoop | None = None
@@ -378,11 +409,13 @@ class Watchdog:
 
     def jitter_s(self) -> np.ndarray:
         """Lateness of the recent ticks against their schedule (seconds)."""
-        out: np.ndarray = np.fromiter(self._jitter, np.float64, len(self._jitter))
-        return out
+        return self._jitter.values()
 
-    def stats(self) -> WatchdogStats:
+    def stats(self, percentiles: bool = True) -> WatchdogStats:
+        """Counters, and the age and jitter percentiles unless ``percentiles`` is False (NaN then:
+        cheap enough to call from another thread while the loop runs)."""
         c = self._counts
+        pct = (lambda s, q: s.percentile_ms(q)) if percentiles else (lambda s, q: math.nan)
         return WatchdogStats(
             ticks=c["ticks"],
             policy_ticks=c["policy_ticks"],
@@ -395,10 +428,10 @@ class Watchdog:
             late_actions=c["late_actions"],
             nonfinite_actions=c["nonfinite_actions"],
             apply_errors=c["apply_errors"],
-            age_ms_p50=_percentile_ms(self._ages, 50),
-            age_ms_p99=_percentile_ms(self._ages, 99),
-            jitter_ms_p50=_percentile_ms(self._jitter, 50),
-            jitter_ms_p99=_percentile_ms(self._jitter, 99),
+            age_ms_p50=pct(self._ages, 50),
+            age_ms_p99=pct(self._ages, 99),
+            jitter_ms_p50=pct(self._jitter, 50),
+            jitter_ms_p99=pct(self._jitter, 99),
         )
 
     # -- running --------------------------------------------------------------
@@ -446,6 +479,8 @@ class ControlLoop:
         name: str = "control",
         slots: int = 0,
         after_slot: Callable[[], None] | None = None,
+        idle: Callable[[float], None] | None = None,
+        realtime_priority: int = 0,
     ) -> None:
         if not watchdogs:
             raise ValueError("a control loop needs at least one watchdog")
@@ -454,6 +489,10 @@ class ControlLoop:
         if not 1 <= self.slots <= len(self.watchdogs):
             raise ValueError(f"slots must be in [1, {len(self.watchdogs)}], got {slots}")
         self.after_slot = after_slot
+        self.idle = idle
+        if not 0 <= realtime_priority <= 99:
+            raise ValueError(f"realtime_priority must be in [0, 99], got {realtime_priority}")
+        self.realtime_priority = realtime_priority
         self.clock: Clock = clock or self.watchdogs[0].clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -471,7 +510,16 @@ class ControlLoop:
         """Run in the calling thread until every watchdog ran ``ticks`` more ticks (tests, fake clock)."""
         self._run(max_ticks=ticks)
 
+    def _make_realtime(self) -> None:
+        """Best effort: SCHED_FIFO for this thread, so that other processes cannot delay a tick."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.realtime_priority))
+        except (OSError, AttributeError) as exc:
+            log.warning("control loop runs without real-time priority (%s)", exc)
+
     def _run(self, max_ticks: int = 0) -> None:
+        if self.realtime_priority:
+            self._make_realtime()
         try:
             self._loop(max_ticks)
         except BaseException as exc:
@@ -494,7 +542,11 @@ class ControlLoop:
             due = heap[0]
             if self.after_slot is not None and due.when > self.clock.now():
                 self.after_slot()
-            self.clock.sleep_until(due.when, self._stop)
+            if self.idle is None:
+                self.clock.sleep_until(due.when, self._stop)
+            else:
+                while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
+                    self.idle(left)
             if self._stop.is_set():
                 return
             now = self.clock.now()
