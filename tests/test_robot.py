@@ -119,6 +119,17 @@ def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_
     assert len(rows) >= 40 and all(rows)
 
 
+def test_lost_answers_become_fallbacks() -> None:
+    robot = CounterRobot()
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        cfg = _config(srv.address, faults=LinkFaults(drop=0.5, seed=3), watchdog={"estop_after": 0})
+        (s,) = _run(RobotHost([robot], cfg), 1.5)
+    assert s["answers"] >= 60
+    assert 0.3 <= s["dropped"] / s["answers"] <= 0.7
+    # a lost answer leaves its tick without a fresh action: the fallbacks follow the losses
+    assert abs(s["fallbacks"] - s["dropped"]) <= 3
+
+
 def test_small_injected_latency_is_absorbed() -> None:
     robot = CounterRobot()
     with ServerThread(EchoPolicy(3, 2)) as srv:
