@@ -13,6 +13,7 @@ from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch import robot as robot_cli
+from edgerl.launch.bench_throughput import write_json
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
@@ -217,13 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-server-s and report how the robots rode through it.",
     )
     p.add_argument("--robots", type=int, default=100, help="robots in all")
-    p.add_argument("--hz", type=float, default=50.0, help="control rate of every robot")
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
     p.add_argument("--policy", default="mlp", choices=sorted(POLICY_PRESETS), help="policy network preset")
     p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
-    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
-    p.add_argument("--fallback", default="hold", choices=["hold", "zero", "safe_pose"], help="fallback mode")
-    p.add_argument("--estop-after", type=int, default=150, help="consecutive fallbacks that latch an e-stop")
+    robot_cli.add_watchdog_arguments(p, estop_after=150)
     p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
     p.add_argument(
@@ -232,9 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
     p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
     p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
-    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    robot_cli.add_fault_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the robots and the policy")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     _add_common(p)
@@ -377,7 +373,6 @@ def _train(a: argparse.Namespace) -> int:
 
 def _bench_learn(a: argparse.Namespace) -> int:
     from edgerl.launch import bench_learn as bl
-    from edgerl.launch import bench_throughput as bt
 
     cfg = _train_config(a)
     if getattr(a, "steps", None) is None and cfg.env != DEMO_ENV:
@@ -386,7 +381,7 @@ def _bench_learn(a: argparse.Namespace) -> int:
     print(bl.format_table(result), file=sys.stderr)
     print(json.dumps(result))
     if a.json:
-        bt.write_json(result, a.json)
+        write_json(result, a.json)
     return 0
 
 
@@ -530,8 +525,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
     result = br.run_bench_robot(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(json.dumps(result, indent=2))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, a.json)
     return 0
 
 
@@ -555,7 +549,7 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     print(bt.format_table(result), file=sys.stderr)
     print(json.dumps(result))
     if a.json:
-        bt.write_json(result, a.json)
+        write_json(result, a.json)
     return 0
 
 

@@ -23,6 +23,26 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 
+def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> None:
+    """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback, e-stop."""
+    p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
+    p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
+    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
+    p.add_argument(
+        "--estop-after",
+        type=int,
+        default=estop_after,
+        help="consecutive fallbacks that latch an e-stop (0: never)",
+    )
+
+
+def add_fault_arguments(p: argparse.ArgumentParser) -> None:
+    """Injected link faults (``LinkFaults``)."""
+    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
+    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default="127.0.0.1:50051", help="edge server address host:port")
     p.add_argument("--robot", default=DEFAULT_ROBOT, help="robot driver as module:Class")
@@ -34,21 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keyword argument of the robot class (VALUE parsed as JSON, else a string); repeatable",
     )
     p.add_argument("--robots", type=int, default=1, help="robots run by this process (one stream)")
-    p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
-    p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
+    add_watchdog_arguments(p, estop_after=50)
     p.add_argument("--safe-pose", default="", help="comma-separated target of --fallback safe_pose")
-    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
     p.add_argument(
         "--max-delta", type=float, default=None, help="rate limit per tick (default: 25%% of range)"
     )
-    p.add_argument(
-        "--estop-after", type=int, default=50, help="consecutive fallbacks that latch an e-stop (0: never)"
-    )
     p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
     p.add_argument("--seconds", type=float, default=0.0, help="run time (0: until Ctrl-C)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
-    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
     )

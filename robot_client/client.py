@@ -319,6 +319,19 @@ class EdgeClient:
             action_chunk=max(1, r.action_chunk),
         )
 
+    async def describe_for(self, obs_shape: Sequence[int], owner: str) -> ServerInfo:
+        """``describe``, checking that the server serves observations of ``obs_shape``.
+
+        Raises:
+            EdgeRLError: the shapes differ (the message names ``owner``, e.g. the env).
+        """
+        info = await self.describe()
+        if info.obs_shape != tuple(obs_shape):
+            raise errors.EdgeRLError(
+                f"the server serves observations of shape {info.obs_shape}, {owner} has {tuple(obs_shape)}"
+            )
+        return info
+
     async def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
         """The server's counters."""
         resp: pb.StatsResponse = await self._unary(self._stub.Stats, pb.StatsRequest(), timeout_s)

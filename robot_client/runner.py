@@ -446,12 +446,9 @@ class RobotHost:
             while not stopping.is_set():
                 stream: ActStream | None = None
                 try:
-                    info = await client.describe()  # a unary call first: clear auth and shape errors
-                    if info.obs_shape != self.obs_shape:
-                        raise errors.EdgeRLError(
-                            f"the server serves observations of shape {info.obs_shape}, "
-                            f"the robots have {self.obs_shape}"
-                        )
+                    await client.describe_for(
+                        self.obs_shape, "the robots"
+                    )  # a unary call first: clear errors
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=len(self.links),

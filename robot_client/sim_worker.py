@@ -154,12 +154,7 @@ class SimWorker:
             try:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     await client.wait_ready()
-                    info = await client.describe()
-                    if info.obs_shape != self._obs_shape:
-                        raise errors.EdgeRLError(
-                            f"server serves observations of shape {info.obs_shape}, "
-                            f"{cfg.env_name} has {self._obs_shape}"
-                        )
+                    info = await client.describe_for(self._obs_shape, cfg.env_name)
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,
