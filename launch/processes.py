@@ -51,19 +51,37 @@ class PolicySpec:
     """Start from this trainer checkpoint (weights and version) instead of fresh weights."""
     chunk: int = 1
     """Actions per observation (action chunks of this length when > 1)."""
+    model: str = ""
+    """Local model folder for the ``llm`` preset; empty: the small random Llama built on first use."""
 
 
-def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
-    """An :class:`EdgeServer` serving a freshly initialised torch policy."""
+LLM_PRESET = "llm"
+
+
+def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
+    """The policy backend ``policy`` names and the env's spaces (``EnvSpec``).
+
+    ``llm``: a :class:`~edgerl.edge_server.llm_policy.VLLMPolicyBackend` on ``policy.model``
+    (default: the small random Llama built on first use); otherwise a torch MLP preset,
+    from ``policy.checkpoint`` when given.
+    """
     import torch
 
     from edgerl.edge_server.policy import TorchPolicyBackend
-    from edgerl.edge_server.server import EdgeServer
     from edgerl.models import build_policy
     from edgerl.sim.envs import env_spec
 
     torch.set_num_threads(policy.torch_threads)
     spec = env_spec(policy.env_name)
+    if policy.preset == LLM_PRESET:
+        from edgerl.edge_server.llm_policy import VLLMPolicyBackend
+        from edgerl.models.llm import tiny_llm
+
+        model = policy.model or str(tiny_llm(policy.seed))
+        backend = VLLMPolicyBackend(
+            model, spec.obs_shape, spec.act_low, spec.act_high, chunk=policy.chunk, seed=policy.seed
+        )
+        return backend, spec
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
     net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0] * policy.chunk, seed=policy.seed)
@@ -81,6 +99,14 @@ def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
         compute_values=policy.compute_values,
         chunk=policy.chunk,
     )
+    return backend, spec
+
+
+def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
+    """An :class:`EdgeServer` serving the backend ``policy`` names."""
+    from edgerl.edge_server.server import EdgeServer
+
+    backend, spec = build_backend(policy)
     return EdgeServer(backend, config, env_name=policy.env_name, obs_low=spec.obs_low, obs_high=spec.obs_high)
 
 

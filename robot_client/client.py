@@ -147,6 +147,9 @@ class ActStream:
         # stream): the caller steps its envs meanwhile instead of waiting ~0.3 ms
         # for the transport to take the message.
         self._write = asyncio.ensure_future(self._call.write(req))
+        # If the stream dies, the caller learns it from recv() or the next send(); mark this
+        # write's failure as seen so that asyncio does not also log it as unretrieved.
+        self._write.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._next_send += 1
         return seq
 

