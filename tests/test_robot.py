@@ -239,4 +239,4 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     assert o["robots"] == 4 and o["robots_kept_rate"] == 4 and o["robots_fell_back"] == 4
     assert o["robots_estopped"] == 0 and o["robots_resumed"] == 4
     assert o["max_consecutive_fallbacks"] >= 0.9 * o["killed_for_s"] * 50
-    assert 0 < r["sync_loop"]["control_hz"]
+    assert r["sync_loop"]["control_hz"] > 0
