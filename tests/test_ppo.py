@@ -208,8 +208,10 @@ def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:
     _, same = _update(tmp_path / "b", noisy, version=10)
     for p, q in zip(params, same, strict=True):
         torch.testing.assert_close(p, q)
-    # ...while the same change on one live row does (the comparison can fail).
+    # ...while the same change on live rows does (the comparison can fail). Several rows: for
+    # one row alone the clipped objective can be flat (negative advantage, ratio below 1 - eps).
     live = _batch(np.random.default_rng(0), versions, fallback, autoreset)
-    live.actions[20] += 5.0
+    live.actions[20:32] += 5.0
+    live.log_probs[20:32] -= 7.0
     _, moved = _update(tmp_path / "c", live, version=10)
     assert any(not torch.equal(p, q) for p, q in zip(params, moved, strict=True))
