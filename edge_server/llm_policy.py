@@ -64,6 +64,7 @@ class VLLMPolicyBackend(PolicyBackend):
         seed, version: sampling seed and the version stamped on the first weights.
         gpu_memory_utilization: share of memory for the engine (about 0.3 on CPU).
         dtype: engine dtype; float32 keeps the log-probs equal to a float32 recomputation.
+        kv_cache_gb: KV cache of the CPU build (GiB; ``VLLM_CPU_KVCACHE_SPACE`` wins if set).
     """
 
     name = "vllm"
@@ -83,6 +84,7 @@ class VLLMPolicyBackend(PolicyBackend):
         gpu_memory_utilization: float = 0.3,
         dtype: Literal["auto", "float16", "bfloat16", "float32"] = "float32",
         max_num_seqs: int = 256,
+        kv_cache_gb: int = 1,
     ) -> None:
         act_low = np.asarray(act_low, np.float32).ravel()
         super().__init__(obs_shape, act_low.shape, act_low, act_high, version)
@@ -95,6 +97,10 @@ class VLLMPolicyBackend(PolicyBackend):
         self.codec = ObsActionCodec(act_low, act_high, obs_clip=obs_clip, instruction=instruction)
         self.manifest = _weights_manifest(self.model_dir)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # On CPU vLLM otherwise reserves a share of the node's memory for its KV cache
+        # (~3-5 GiB here), and a second engine on the machine (a benchmark's in-process
+        # baseline next to the server) then fails to start. Short prompts need little.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         from vllm import LLM, SamplingParams
 
         prompt_len = len(self.codec.prefix) + int(np.prod(obs_shape))
