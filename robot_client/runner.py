@@ -98,9 +98,9 @@ class RobotRunnerConfig:
     robots_per_slot: int = 8
     """Robots of one host ticked back to back, their observations sent in one message.
 
-    Fewer slots mean fewer messages (and fewer GIL hand-overs between the
-    control and network threads); more robots per slot mean a later tick for the
-    last robot of a slot (about 0.1 ms per MuJoCo robot here)."""
+    Fewer slots mean fewer messages (and less network work between ticks);
+    more robots per slot mean a later tick for the last robot of a slot (about
+    0.1 ms or less per MuJoCo robot here)."""
 
     def __post_init__(self) -> None:
         if self.robots_per_slot < 1:
