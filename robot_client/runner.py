@@ -43,7 +43,9 @@ from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.robot import Reading, Robot
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
-from edgerl.watchdog.watchdog import ControlLoop, Samples, Tick, Watchdog, WatchdogConfig
+from edgerl.watchdog.loop import ControlLoop
+from edgerl.watchdog.samples import Samples
+from edgerl.watchdog.watchdog import Tick, Watchdog, WatchdogConfig
 
 log = logging.getLogger(__name__)
 

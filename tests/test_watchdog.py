@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from edgerl.watchdog.clock import FakeClock, MonotonicClock
-from edgerl.watchdog.watchdog import ControlLoop, Fallback, Samples, Tick, TickKind, Watchdog, WatchdogConfig
+from edgerl.watchdog.loop import ControlLoop
+from edgerl.watchdog.samples import Samples
+from edgerl.watchdog.watchdog import Fallback, Tick, TickKind, Watchdog, WatchdogConfig
 
 HZ = 50.0
 PERIOD = 1.0 / HZ

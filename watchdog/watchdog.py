@@ -25,18 +25,17 @@ ramps to the stop action and stays there until :meth:`Watchdog.reset`.
 from __future__ import annotations
 
 import enum
-import heapq
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edgerl.watchdog.clock import Clock, MonotonicClock
+from edgerl.watchdog.samples import Samples
 
 log = logging.getLogger(__name__)
 
@@ -160,43 +159,6 @@ class _Chunk:
     tag: Any
 
 
-class Samples:
-    """The last ``size`` float samples, in a preallocated numpy ring.
-
-    Unlike a deque of floats it holds no Python objects: with 100 robots a
-    deque-based window kept ~1M of them alive, and every full garbage
-    collection walked them while the control loop waited.
-    """
-
-    def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
-        self._buf = np.zeros(size, np.float64)
-        self._next = 0
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def append(self, value: float) -> None:
-        self._buf[self._next] = value
-        self._next = (self._next + 1) % len(self._buf)
-        self._count = min(self._count + 1, len(self._buf))
-
-    def clear(self) -> None:
-        self._next = self._count = 0
-
-    def values(self) -> np.ndarray:
-        """The samples held (oldest first)."""
-        if self._count < len(self._buf):
-            return self._buf[: self._count].copy()
-        return np.concatenate([self._buf[self._next :], self._buf[: self._next]])
-
-    def percentile_ms(self, q: float) -> float:
-        """The ``q``-th percentile of samples in seconds, in milliseconds; NaN when empty."""
-        return float(np.percentile(self.values(), q) * 1e3) if self._count else math.nan
-
-
 class Watchdog:
     """One robot's safety layer.
 
@@ -252,7 +214,7 @@ class Watchdog:
         self._jitter = Samples(cfg.stats_window)
         self._last_warning = -math.inf
         self._fallbacks_at_warning = 0
-        self._loop: ControlLoop | None = None
+        self._loop: Any = None
 
     def _vector(self, value: Sequence[float] | np.ndarray | None, name: str, default: float) -> np.ndarray:
         if value is None:
@@ -409,7 +371,8 @@ class Watchdog:
 
     def jitter_s(self) -> np.ndarray:
         """Lateness of the recent ticks against their schedule (seconds)."""
-        return self._jitter.values()
+        out: np.ndarray = self._jitter.values()
+        return out
 
     def stats(self, percentiles: bool = True) -> WatchdogStats:
         """Counters, and the age and jitter percentiles unless ``percentiles`` is False (NaN then:
@@ -438,6 +401,8 @@ class Watchdog:
 
     def start(self) -> None:
         """Run this watchdog's loop in its own thread."""
+        from edgerl.watchdog.loop import ControlLoop
+
         if self._loop is not None:
             raise RuntimeError("watchdog already started")
         self._loop = ControlLoop([self], clock=self.clock, name="watchdog")
@@ -447,121 +412,3 @@ class Watchdog:
         if self._loop is not None:
             self._loop.stop(timeout_s)
             self._loop = None
-
-
-@dataclass(order=True)
-class _Due:
-    when: float
-    order: int
-    index: int = field(compare=False)
-    t0: float = field(compare=False)
-    dog: Watchdog = field(compare=False)
-
-
-class ControlLoop:
-    """One thread that ticks one or more watchdogs, each on its own absolute schedule.
-
-    The watchdogs are split into ``slots`` evenly spread over the period:
-    watchdog ``i`` of ``n`` ticks at ``t0 + (i * slots // n) / (slots * hz) + k / hz``.
-    Watchdogs of one slot tick back to back; ``slots=n`` (the default) gives
-    every watchdog its own slot. ``after_slot`` runs after the ticks that were
-    due together, before the loop sleeps (a host flushes the observations of
-    the slot in one message there). A tick found more than one period late
-    skips to the next due time on its grid; the skipped ticks are counted as
-    loop deadline misses.
-    """
-
-    def __init__(
-        self,
-        watchdogs: Sequence[Watchdog],
-        *,
-        clock: Clock | None = None,
-        name: str = "control",
-        slots: int = 0,
-        after_slot: Callable[[], None] | None = None,
-        idle: Callable[[float], None] | None = None,
-        realtime_priority: int = 0,
-    ) -> None:
-        if not watchdogs:
-            raise ValueError("a control loop needs at least one watchdog")
-        self.watchdogs = list(watchdogs)
-        self.slots = slots or len(self.watchdogs)
-        if not 1 <= self.slots <= len(self.watchdogs):
-            raise ValueError(f"slots must be in [1, {len(self.watchdogs)}], got {slots}")
-        self.after_slot = after_slot
-        self.idle = idle
-        if not 0 <= realtime_priority <= 99:
-            raise ValueError(f"realtime_priority must be in [0, 99], got {realtime_priority}")
-        self.realtime_priority = realtime_priority
-        self.clock: Clock = clock or self.watchdogs[0].clock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    def run_for(self, ticks: int) -> None:
-        """Run in the calling thread until every watchdog ran ``ticks`` more ticks (tests, fake clock)."""
-        self._run(max_ticks=ticks)
-
-    def _make_realtime(self) -> None:
-        """Best effort: SCHED_FIFO for this thread, so that other processes cannot delay a tick."""
-        try:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.realtime_priority))
-        except (OSError, AttributeError) as exc:
-            log.warning("control loop runs without real-time priority (%s)", exc)
-
-    def _run(self, max_ticks: int = 0) -> None:
-        if self.realtime_priority:
-            self._make_realtime()
-        try:
-            self._loop(max_ticks)
-        except BaseException as exc:
-            self.error = exc
-            log.exception("control loop %s stopped", self._thread.name)
-            raise
-
-    def _loop(self, max_ticks: int) -> None:
-        start = self.clock.now()
-        n = len(self.watchdogs)
-        heap = []
-        for i, dog in enumerate(self.watchdogs):
-            t0 = start + (i * self.slots // n) * dog.config.period_s / self.slots
-            heap.append(
-                _Due(t0, i, dog._tick_index + 1, t0 - (dog._tick_index + 1) * dog.config.period_s, dog)
-            )
-        heapq.heapify(heap)
-        done = 0
-        while not self._stop.is_set():
-            due = heap[0]
-            if self.after_slot is not None and due.when > self.clock.now():
-                self.after_slot()
-            if self.idle is None:
-                self.clock.sleep_until(due.when, self._stop)
-            else:
-                while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
-                    self.idle(left)
-            if self._stop.is_set():
-                return
-            now = self.clock.now()
-            period = due.dog.config.period_s
-            late = int((now - due.when) / period)
-            if late > 0:
-                due.dog.missed(late)
-                due.index += late
-                due.when = due.t0 + due.index * period
-            due.dog.tick(due.index, due.when, now)
-            due.index += 1
-            due.when = due.t0 + due.index * period
-            heapq.heapreplace(heap, due)
-            done += 1
-            if max_ticks and done >= max_ticks * n:
-                if self.after_slot is not None:
-                    self.after_slot()
-                return

@@ -1,0 +1,133 @@
+"""The control loop: one thread ticking one or more watchdogs on absolute deadlines."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from edgerl.watchdog.clock import Clock
+from edgerl.watchdog.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(order=True)
+class _Due:
+    when: float
+    order: int
+    index: int = field(compare=False)
+    t0: float = field(compare=False)
+    dog: Watchdog = field(compare=False)
+
+
+class ControlLoop:
+    """One thread that ticks one or more watchdogs, each on its own absolute schedule.
+
+    The watchdogs are split into ``slots`` evenly spread over the period:
+    watchdog ``i`` of ``n`` ticks at ``t0 + (i * slots // n) / (slots * hz) + k / hz``.
+    Watchdogs of one slot tick back to back; ``slots=n`` (the default) gives
+    every watchdog its own slot. ``after_slot`` runs after the ticks that were
+    due together, before the loop sleeps (a host flushes the observations of
+    the slot in one message there). A tick found more than one period late
+    skips to the next due time on its grid; the skipped ticks are counted as
+    loop deadline misses.
+    """
+
+    def __init__(
+        self,
+        watchdogs: Sequence[Watchdog],
+        *,
+        clock: Clock | None = None,
+        name: str = "control",
+        slots: int = 0,
+        after_slot: Callable[[], None] | None = None,
+        idle: Callable[[float], None] | None = None,
+        realtime_priority: int = 0,
+    ) -> None:
+        if not watchdogs:
+            raise ValueError("a control loop needs at least one watchdog")
+        self.watchdogs = list(watchdogs)
+        self.slots = slots or len(self.watchdogs)
+        if not 1 <= self.slots <= len(self.watchdogs):
+            raise ValueError(f"slots must be in [1, {len(self.watchdogs)}], got {slots}")
+        self.after_slot = after_slot
+        self.idle = idle
+        if not 0 <= realtime_priority <= 99:
+            raise ValueError(f"realtime_priority must be in [0, 99], got {realtime_priority}")
+        self.realtime_priority = realtime_priority
+        self.clock: Clock = clock or self.watchdogs[0].clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def run_for(self, ticks: int) -> None:
+        """Run in the calling thread until every watchdog ran ``ticks`` more ticks (tests, fake clock)."""
+        self._run(max_ticks=ticks)
+
+    def _make_realtime(self) -> None:
+        """Best effort: SCHED_FIFO for this thread, so that other processes cannot delay a tick."""
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.realtime_priority))
+        except (OSError, AttributeError) as exc:
+            log.warning("control loop runs without real-time priority (%s)", exc)
+
+    def _run(self, max_ticks: int = 0) -> None:
+        if self.realtime_priority:
+            self._make_realtime()
+        try:
+            self._loop(max_ticks)
+        except BaseException as exc:
+            self.error = exc
+            log.exception("control loop %s stopped", self._thread.name)
+            raise
+
+    def _loop(self, max_ticks: int) -> None:
+        start = self.clock.now()
+        n = len(self.watchdogs)
+        heap = []
+        for i, dog in enumerate(self.watchdogs):
+            t0 = start + (i * self.slots // n) * dog.config.period_s / self.slots
+            heap.append(
+                _Due(t0, i, dog._tick_index + 1, t0 - (dog._tick_index + 1) * dog.config.period_s, dog)
+            )
+        heapq.heapify(heap)
+        done = 0
+        while not self._stop.is_set():
+            due = heap[0]
+            if self.after_slot is not None and due.when > self.clock.now():
+                self.after_slot()
+            if self.idle is None:
+                self.clock.sleep_until(due.when, self._stop)
+            else:
+                while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
+                    self.idle(left)
+            if self._stop.is_set():
+                return
+            now = self.clock.now()
+            period = due.dog.config.period_s
+            late = int((now - due.when) / period)
+            if late > 0:
+                due.dog.missed(late)
+                due.index += late
+                due.when = due.t0 + due.index * period
+            due.dog.tick(due.index, due.when, now)
+            due.index += 1
+            due.when = due.t0 + due.index * period
+            heapq.heapreplace(heap, due)
+            done += 1
+            if max_ticks and done >= max_ticks * n:
+                if self.after_slot is not None:
+                    self.after_slot()
+                return
