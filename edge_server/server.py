@@ -108,6 +108,8 @@ class EdgeServer:
         obs_high: np.ndarray | None = None,
     ) -> None:
         self.config = cfg = config or ServerConfig()
+        if cfg.learner is not None and backend.chunk > 1:
+            raise ValueError("learner: the trainer takes one action per transition; serve chunk=1 to train")
         self.backend = backend
         self.batcher = DynamicBatcher(
             backend,

@@ -448,9 +448,8 @@ class RobotHost:
             while not stopping.is_set():
                 stream: ActStream | None = None
                 try:
-                    await client.describe_for(
-                        self.obs_shape, "the robots"
-                    )  # a unary call first: clear errors
+                    # A unary call first: auth and shape errors come back with their own status.
+                    await client.describe_for(self.obs_shape, "the robots")
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=len(self.links),

@@ -240,3 +240,12 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     assert o["robots_estopped"] == 0 and o["robots_resumed"] == 4
     assert o["max_consecutive_fallbacks"] >= 0.9 * o["killed_for_s"] * 50
     assert r["sync_loop"]["control_hz"] > 0
+
+
+def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
+    from edgerl.edge_server.server import EdgeServer, ServerConfig
+
+    net = build_policy("mlp-small", 3, 2 * 4, seed=0)
+    backend = TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
+    with pytest.raises(ValueError, match="one action per transition"):
+        EdgeServer(backend, ServerConfig(port=0, learner=TransitionConfig()))
