@@ -46,8 +46,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# mypy cannot follow pyproject's folder -> edgerl.<folder> mapping (the editable install is an
+# import hook), so it checks a link tree in which every edgerl.* import resolves to the sources.
+PACKAGES  := proto edge_server robot_client sim trainer watchdog launch models
+TYPECHECK := build/typecheck
 typecheck: $(STAMP)
-	$(BIN)/mypy proto edge_server robot_client sim trainer watchdog launch models tests
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/edgerl
+	for d in $(PACKAGES); do ln -s ../../../$$d $(TYPECHECK)/edgerl/$$d; done
+	ln -s ../../tests $(TYPECHECK)/tests
+	touch $(TYPECHECK)/edgerl/__init__.py
+	cd $(TYPECHECK) && MYPYPATH=. ../../$(BIN)/mypy --config-file ../../pyproject.toml -p edgerl -p tests
 
 proto: $(STAMP)
 	$(BIN)/python -m edgerl.proto.generate

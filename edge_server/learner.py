@@ -31,7 +31,7 @@ def decode_weights(msg: Mapping[str, pb.Tensor]) -> dict[str, np.ndarray]:
     for name, t in msg.items():
         arr = tensors.decode(t, f"tensors[{name!r}]")
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise tensors.TensorError(f"tensors[{name!r}]: contains NaN or Inf")
+            raise tensors.TensorError(f"tensors[{name!r}]", "contains NaN or Inf")
         out[name] = arr
     return out
 

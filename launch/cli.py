@@ -26,6 +26,7 @@ from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
+from edgerl.watchdog.watchdog import Fallback
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -528,7 +529,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
         chunk=a.chunk,
         refill_at=a.refill_at,
         deadline_ms=a.deadline_ms,
-        fallback=br.Fallback(a.fallback),
+        fallback=Fallback(a.fallback),
         estop_after=a.estop_after,
         processes=a.processes,
         robots_per_slot=a.robots_per_slot,

@@ -78,10 +78,10 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
         from edgerl.models.llm import tiny_llm
 
         model = policy.model or str(tiny_llm(policy.seed))
-        backend = VLLMPolicyBackend(
+        llm = VLLMPolicyBackend(
             model, spec.obs_shape, spec.act_low, spec.act_high, chunk=policy.chunk, seed=policy.seed
         )
-        return backend, spec
+        return llm, spec
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
     net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0] * policy.chunk, seed=policy.seed)

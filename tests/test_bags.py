@@ -69,9 +69,10 @@ def test_bag_reads_back_with_rosbags_standard_types(session: tuple[Path, Any]) -
         assert types["/edgerl/pendulum-0/action"] == "std_msgs/msg/Float32MultiArray"
         assert types["/edgerl/pendulum-1/step"] == STEP_TYPE
         conns = [c for c in reader.connections if c.topic == "/edgerl/pendulum-0/step"]
-        stamps, msgs = [], []
+        stamps: list[int] = []
+        msgs: list[Any] = []
         for conn, t_ns, raw in reader.messages(connections=conns):
-            msg = store.deserialize_cdr(raw, conn.msgtype)
+            msg: Any = store.deserialize_cdr(raw, conn.msgtype)
             assert msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec == t_ns
             stamps.append(t_ns)
             msgs.append(msg)

@@ -76,6 +76,12 @@ def test_trainer_takes_segments_and_a_publish_changes_the_served_version() -> No
                     bad["critic.0.weight"] = bad["critic.0.weight"][:, :2]
                     with pytest.raises(errors.InvalidArgumentError, match=r"critic.0.weight"):
                         await _in_thread(publish_weights, stub, bad, 2)
+                    nan = dict(other)
+                    nan["actor_mean.0.weight"] = nan["actor_mean.0.weight"].clone()
+                    nan["actor_mean.0.weight"][0, 0] = float("nan")
+                    with pytest.raises(errors.InvalidArgumentError, match=r"actor_mean.0.weight.*NaN"):
+                        await _in_thread(publish_weights, stub, nan, 2)
+                    assert (await client.describe()).policy_version == 1
                     channel.close()
                 # New segments carry the new version after the publish.
                 deadline = time.monotonic() + 30

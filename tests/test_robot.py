@@ -25,10 +25,10 @@ HZ = 50.0
 class CounterRobot:
     """Observation [tick count, robot id, 0]; applied actions are kept for the test to inspect."""
 
-    obs_shape = (3,)
+    obs_shape: tuple[int, ...] = (3,)
     action_low = np.full(2, -1000.0, np.float32)
     action_high = np.full(2, 1000.0, np.float32)
-    joint_names = ("count", "id", "zero")
+    joint_names: tuple[str, ...] = ("count", "id", "zero")
 
     def __init__(self, name: str = "counter", rid: int = 0) -> None:
         self.name = name
@@ -68,7 +68,7 @@ def _config(server: str, **kw: Any) -> RobotRunnerConfig:
 def test_mujoco_robot_runs_one_control_period_per_action() -> None:
     robot = MujocoRobot("HalfCheetah-v5", hz=50.0)
     assert isinstance(robot, Robot)
-    assert robot.env.unwrapped.dt == pytest.approx(0.02)
+    assert getattr(robot.env.unwrapped, "dt") == pytest.approx(0.02)  # noqa: B009 - not in gymnasium's Env type
     before = robot.read().obs.copy()
     robot.apply(robot.safe_action())
     assert not np.array_equal(before, robot.read().obs)
@@ -106,7 +106,8 @@ def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_
         stats = _run(RobotHost([robot], cfg), 1.5)
 
         def segments() -> list[Any]:
-            store = srv.server.store  # type: ignore[union-attr]
+            assert srv.server is not None and srv.server.store is not None
+            store = srv.server.store
             store.ack(0, 1 << 20)
             return list(store.take_sendable())
 

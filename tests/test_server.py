@@ -171,7 +171,7 @@ async def _round_trip(stream: ActStream) -> None:
     assert (await stream.recv()).actions.shape == (4, ACT)
 
 
-def _step(seq: int, ids: list[int], obs: np.ndarray, dtype: int = pb.FLOAT32) -> pb.ActRequest:
+def _step(seq: int, ids: list[int], obs: np.ndarray, dtype: Any = pb.FLOAT32) -> pb.ActRequest:
     n = len(ids)
     return pb.ActRequest(
         step=pb.StepObservation(

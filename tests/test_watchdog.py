@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ class Recorder:
 
 
 def make(
-    clock: FakeClock, low: float = -1.0, high: float = 1.0, dims: int = 2, **cfg: object
+    clock: FakeClock, low: float = -1.0, high: float = 1.0, dims: int = 2, **cfg: Any
 ) -> tuple[Watchdog, Recorder]:
     rec = Recorder()
     config = WatchdogConfig(**{"hz": HZ, "deadline_s": 0.015, "max_delta": 0.1, **cfg})
@@ -170,7 +171,7 @@ def test_estop_latches_after_n_fallbacks_and_only_reset_clears_it() -> None:
     dog.reset()
     answer(dog, clock, 6, [0.5, 0.5])
     run_tick(dog, clock, 7)
-    assert rec.kinds[-1] is TickKind.POLICY
+    assert rec.ticks[-1].kind is TickKind.POLICY
     assert not dog.estopped and dog.stats().consecutive_fallbacks == 0
 
 
@@ -255,7 +256,7 @@ def test_loop_skips_and_counts_ticks_when_it_runs_late() -> None:
         seen.append(index)
         return orig(index, scheduled, now)
 
-    dog.tick = spy
+    dog.tick = spy  # type: ignore[method-assign]
     ControlLoop([dog], clock=clock).run_for(6)
     assert seen == [0, 1, 2, 3, 6, 7]
     assert dog.stats().loop_deadline_misses == 2
