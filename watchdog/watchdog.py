@@ -200,7 +200,10 @@ class Watchdog:
         self.clock: Clock = clock or MonotonicClock()
         self._lock = threading.Lock()
         self._chunk: _Chunk | None = None
-        self._last = self._clamp(np.zeros(self.act_shape, np.float32))
+        # Zero clamped into the limits: the start action and the zero fallback's target
+        # (never modified in place: _last is only ever rebound).
+        self._zero = self._clamp(np.zeros(self.act_shape, np.float32))
+        self._last = self._zero
         self._tick_index = -1
         self._estopped = False
         self._consecutive = 0
@@ -340,7 +343,7 @@ class Watchdog:
         if mode is Fallback.HOLD:
             return self._last
         if mode is Fallback.ZERO:
-            return self._clamp(np.zeros(self.act_shape, np.float32))
+            return self._zero
         return self.safe_pose
 
     def _latch(self, why: str) -> None:
