@@ -37,7 +37,8 @@ from edgerl.models.llm import ObsActionCodec
 log = logging.getLogger(__name__)
 
 
-def _weights_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
+def weights_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every tensor in the ``*.safetensors`` files of ``model_dir``."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -95,13 +96,18 @@ class VLLMPolicyBackend(PolicyBackend):
             raise ValueError(f"model {self.model_dir}: no config.json (models load from a local folder only)")
         self.chunk = chunk
         self.codec = ObsActionCodec(act_low, act_high, obs_clip=obs_clip, instruction=instruction)
-        self.manifest = _weights_manifest(self.model_dir)
+        self.manifest = weights_manifest(self.model_dir)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # On CPU vLLM otherwise reserves a share of the node's memory for its KV cache
         # (~3-5 GiB here), and a second engine on the machine (a benchmark's in-process
         # baseline next to the server) then fails to start. Short prompts need little.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
-        from vllm import LLM, SamplingParams
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError as exc:
+            raise ImportError(
+                "the llm policy needs vLLM: pip install 'edgerl[llm]' (CPU build) or 'edgerl[llm-cuda]'"
+            ) from exc
 
         prompt_len = len(self.codec.prefix) + int(np.prod(obs_shape))
         self.llm = LLM(

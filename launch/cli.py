@@ -348,8 +348,14 @@ def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
     p.add_argument(
         "--policy",
         default=s,
-        choices=sorted(POLICY_PRESETS),
-        help="network preset (default: mlp-small, CleanRL's 64x64)",
+        choices=[*sorted(POLICY_PRESETS), LLM_PRESET],
+        help="network preset (default: mlp-small, CleanRL's 64x64), or llm: a language model "
+        "served by vLLM, trained over its action tokens (pip install edgerl[llm])",
+    )
+    p.add_argument(
+        "--model",
+        default=s,
+        help="local model folder of --policy llm (default: a small random Llama built on first use)",
     )
     p.add_argument(
         "--segment-steps",
@@ -359,7 +365,10 @@ def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
     )
     p.add_argument("--workers", type=int, default=s, help="sim worker processes (default: 1)")
     p.add_argument(
-        "--config", metavar="TOML", default=s, help="config file (default: launch/configs/ENV.toml)"
+        "--config",
+        metavar="TOML",
+        default=s,
+        help="config file (default: launch/configs/ENV.toml, or ENV-llm.toml with --policy llm)",
     )
     p.add_argument(
         "--set",
@@ -372,7 +381,8 @@ def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
 
 
 def _train_config(a: argparse.Namespace) -> RunConfig:
-    flags = {k: getattr(a, k, None) for k in ("envs", "steps", "seed", "policy", "segment_steps", "workers")}
+    names = ("envs", "steps", "seed", "policy", "model", "segment_steps", "workers")
+    flags = {k: getattr(a, k, None) for k in names}
     flags["run_dir"] = getattr(a, "run_dir", None)
     if getattr(a, "sync", False) and a.command == "train":
         flags["sync"] = True

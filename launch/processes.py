@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import queue
 import signal
 import time
@@ -31,6 +32,8 @@ _CTX = mp.get_context("spawn")
 
 def configure_logging(level: str = "WARNING") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # vLLM configures its own loggers (INFO by default) when it is imported.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,19 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
         llm = VLLMPolicyBackend(
             model, spec.obs_shape, spec.act_low, spec.act_high, chunk=policy.chunk, seed=policy.seed
         )
+        if policy.checkpoint:
+            from edgerl.models.llm_actor_critic import served_weights
+
+            payload = _load_checkpoint(policy.checkpoint, LLM_PRESET)
+            weights = {k: v.numpy() for k, v in served_weights(payload["policy"]).items()}
+            llm.load_weights(weights, int(payload["state"]["version"]))
         return llm, spec
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
     net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0] * policy.chunk, seed=policy.seed)
     version = 0
     if policy.checkpoint:
-        payload = torch.load(policy.checkpoint, weights_only=False)
+        payload = _load_checkpoint(policy.checkpoint, "mlp")
         net.load_state_dict(payload["policy"])
         version = int(payload["state"]["version"])
     backend = TorchPolicyBackend(
@@ -100,6 +109,17 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
         chunk=policy.chunk,
     )
     return backend, spec
+
+
+def _load_checkpoint(path: str, kind: str) -> dict[str, Any]:
+    """A trainer checkpoint, checked to hold a ``kind`` policy."""
+    import torch
+
+    payload: dict[str, Any] = torch.load(path, weights_only=False)
+    found = payload.get("kind", "mlp")
+    if found != kind:
+        raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
+    return payload
 
 
 def build_server(policy: PolicySpec, config: ServerConfig) -> Any:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.launch.processes import LLM_PRESET, PolicySpec, ServerProcess, WorkerFleet
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.trainer import TrainerConfig
 
@@ -49,7 +49,10 @@ class RunConfig:
     seed: int = 0
     """Seeds the initial weights, the envs (env i of the run gets seed*1000+i) and sampling."""
     policy: str = "mlp-small"
-    """Network preset."""
+    """Network preset (``mlp-small``, ``mlp``, ``mlp-large``), or ``llm``: a language model
+    served by vLLM and trained over its action tokens."""
+    model: str = ""
+    """Local model folder of ``policy = "llm"``; empty: the small random Llama built on first use."""
     segment_steps: int = 32
     """Transitions per env per batch (the rollout length)."""
     workers: int = 1
@@ -142,9 +145,9 @@ def apply_overrides(cfg: RunConfig, values: Mapping[str, Any], source: str) -> R
         raise ValueError(f"{source}: {exc}") from None
 
 
-def config_file_for(env: str) -> Path | None:
-    """The tuned config shipped for ``env``, if any."""
-    path = CONFIG_DIR / f"{env}.toml"
+def config_file_for(env: str, policy: str | None = None) -> Path | None:
+    """The tuned config shipped for ``env`` (``<env>-llm.toml`` for the ``llm`` policy), if any."""
+    path = CONFIG_DIR / (f"{env}-{LLM_PRESET}.toml" if policy == LLM_PRESET else f"{env}.toml")
     return path if path.exists() else None
 
 
@@ -154,7 +157,7 @@ def load_config(
     """Defaults, then the file, then explicit flags, then ``--set`` pairs. Returns (config, sources)."""
     cfg = RunConfig() if env is None else RunConfig(env=env)
     sources = ["defaults"]
-    path = Path(file) if file else config_file_for(cfg.env)
+    path = Path(file) if file else config_file_for(cfg.env, flags.get("policy"))
     if path is not None:
         if not path.exists():
             raise FileNotFoundError(f"--config: {path} does not exist")
@@ -222,12 +225,24 @@ def run_training(
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     spec = env_spec(cfg.env)
+    torch.set_num_threads(cfg.ppo.torch_threads)
+    net: Any
+    model = cfg.model
+    if cfg.policy == LLM_PRESET:
+        from edgerl.models.llm import tiny_llm
+        from edgerl.models.llm_actor_critic import load_llm_actor_critic
+
+        model = model or str(tiny_llm(cfg.seed))
+        net = load_llm_actor_critic(model, spec.act_low, spec.act_high)
+    else:
+        net = build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed)
     policy_spec = PolicySpec(
         env_name=cfg.env,
         preset=cfg.policy,
         seed=cfg.seed,
         compute_values=True,
         checkpoint=str(checkpoint or ""),
+        model=model,
     )
     batch = cfg.batch_steps
     learner = TransitionConfig(
@@ -238,8 +253,6 @@ def run_training(
         sync_steps=batch if cfg.sync else 0,
         weight_sync_interval=1 if cfg.sync else cfg.weight_sync_interval,
     )
-    torch.set_num_threads(cfg.ppo.torch_threads)
-    net = build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed)
     t_start = time.monotonic()
     with ServerProcess(policy_spec, ServerConfig(port=0, learner=learner), log_level=log_level) as server:
         trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume)
@@ -297,6 +310,7 @@ def run_training(
         "total_s": round(time.monotonic() - t_start, 2),
         "steps_per_s": round(learned / wall, 1) if wall > 0 else 0.0,
         "episodes": len(returns),
+        "return_first20": round(statistics.fmean(returns[:20]), 2) if returns else None,
         "return_last20": round(statistics.fmean(returns[-20:]), 2) if returns else None,
         "stale_fraction": round(state.masked_stale / max(1, state.env_steps), 5),
         "lag_mean": round(statistics.fmean(h["staleness/lag_mean"] for h in history), 3) if history else 0.0,

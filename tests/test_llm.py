@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +25,9 @@ except ImportError:  # pragma: no cover - CI installs the llm extra
 import torch
 from transformers import AutoModelForCausalLM
 
-from edgerl.edge_server.llm_policy import VLLMPolicyBackend
+from edgerl.edge_server.llm_policy import VLLMPolicyBackend, weights_manifest
 from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
@@ -106,6 +110,34 @@ def test_served_actions_are_action_bin_centres_with_matching_log_probs(server: A
     recomputed = _recompute(model, codec, obs, a)
     assert np.abs(recomputed - answer.log_probs).mean() < 1e-3
     assert np.all(answer.log_probs < 0)
+    # the trainer's own computation (action-block rows of the head only) agrees as well
+    policy = load_llm_actor_critic(model_dir, LOW, HIGH, instruction="balance")
+    with torch.no_grad():
+        trainer_lp, _, _ = policy(policy.prompts(obs), policy.action_tokens(a))
+    assert np.abs(trainer_lp.numpy() - answer.log_probs).mean() < 1e-3
+
+
+def test_llm_actor_critic_entropy_value_head_and_served_names(model_dir: Path) -> None:
+    policy = load_llm_actor_critic(model_dir, LOW, HIGH)
+    obs = _obs(8, 3)
+    prompts = policy.prompts(obs)
+    tokens = policy.action_tokens(np.zeros((8, 2), np.float32))
+    log_probs, entropy, values = policy(prompts, tokens)
+    # entropy of the restricted distribution, summed over the two action tokens, by hand
+    ids = torch.cat([prompts, tokens], 1)
+    with torch.no_grad():
+        logits = policy.lm(ids).logits[:, prompts.shape[1] - 1 : -1, policy.codec.layout.action_token_ids()]
+    log_p = torch.log_softmax(logits, -1)
+    by_hand = -(log_p.exp() * log_p).sum(-1).sum(1)
+    torch.testing.assert_close(entropy.detach(), by_hand, rtol=1e-4, atol=1e-4)
+    assert torch.all(entropy < 2 * np.log(256) + 1e-4)
+    assert torch.equal(values, torch.zeros(8))  # the value head starts at zero...
+    assert torch.equal(values, policy.value(prompts).detach())  # ...and both paths give the same
+    (log_probs.sum() + values.sum()).backward()
+    assert policy.value_head.weight.grad is not None and policy.lm.lm_head.weight.grad is not None
+    # the weights published to the engine are exactly the model folder's tensors
+    assert {k: tuple(v.shape) for k, v in policy.served_state().items()} == weights_manifest(model_dir)
+    assert served_weights(policy.state_dict()).keys() == policy.served_state().keys()
 
 
 def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -> None:
@@ -142,3 +174,37 @@ def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -
 def test_model_must_be_a_local_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="local folder"):
         VLLMPolicyBackend(tmp_path / "nope", (OBS_DIM,), LOW, HIGH)
+
+
+def test_edgerl_train_llm_moves_the_return_and_resumes_into_the_engine(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``edgerl train --policy llm``: vLLM serves, PPO learns over action tokens, weights go back."""
+    run_dir = tmp_path / "run"
+    args = ["--policy", "llm", "--model", str(model_dir), "--env", "InvertedPendulum-v5"]
+    args += ["--run-dir", str(run_dir)]
+    summary = _train([*args, "--steps", "24000"], tmp_path / "first.json")
+    # Random play scores 5.2 per episode (std 3.6); the mean of 20 random episodes is
+    # above 8.9 with probability < 1e-4. 24k steps take it to ~20.
+    assert summary["return_first20"] < 8.9, summary
+    assert summary["return_last20"] >= 12.0, summary
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["charts/policy_version"] for r in rows] == list(range(1, len(rows) + 1))
+    # every publish went into the running engine, and the next batch was served by it
+    assert all(r["charts/served_version"] == r["charts/policy_version"] for r in rows)
+    assert all(r["perf/publish_swap_us"] > 0 for r in rows)
+    assert rows[-1]["losses/entropy"] < rows[0]["losses/entropy"]  # the token distribution sharpened
+    assert torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)["kind"] == "llm"
+
+    # --resume: the server starts the engine on the checkpoint's weights and version, so the
+    # first episodes already score like the last ones (a fresh engine would score ~5).
+    again = _train([*args, "--steps", "26000", "--resume"], tmp_path / "again.json")
+    assert again["policy_version"] == again["updates"] > summary["updates"]  # versions continue
+    assert again["return_first20"] >= 10.0, again
+
+
+def _train(args: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "edgerl.launch.cli", "train", *args, "--json", str(out)]
+    subprocess.run(cmd, check=True, timeout=900)
+    summary: dict[str, Any] = json.loads(out.read_text())
+    return summary

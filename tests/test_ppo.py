@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from edgerl.models import build_policy
-from edgerl.trainer.ppo import LossCoefs, gae, gaussian_entropy, masked_mean, normalize_advantages, ppo_loss
+from edgerl.trainer.ppo import (
+    LossCoefs,
+    gae,
+    gaussian_entropy,
+    group_advantages,
+    masked_mean,
+    normalize_advantages,
+    ppo_loss,
+    segment_positions,
+)
 from edgerl.trainer.segments import Batch
 from edgerl.trainer.trainer import Trainer, TrainerConfig
 
@@ -174,14 +183,48 @@ def _batch(
     )
 
 
-def _update(tmp_path: Path, batch: Batch, version: int) -> tuple[dict[str, float], list[torch.Tensor]]:
-    cfg = TrainerConfig(batch_steps=N, minibatch_size=16, epochs=2, max_policy_lag=1, seed=3, anneal_lr=False)
+def _update(
+    tmp_path: Path, batch: Batch, version: int, **config: Any
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    cfg = TrainerConfig(
+        batch_steps=N, minibatch_size=16, epochs=2, max_policy_lag=1, seed=3, anneal_lr=False, **config
+    )
     trainer = Trainer(
         cfg, build_policy("mlp-small", OBS, ACT, seed=0), "unused:0", tmp_path, tensorboard=False
     )
     trainer.state.version = version
     scalars = trainer.update(batch)
-    return scalars, [p.detach().clone() for p in trainer.policy.parameters()]
+    return scalars, [p.detach().clone() for p in trainer.policy.module.parameters()]
+
+
+def test_segment_positions_restart_at_each_segment() -> None:
+    end = np.array([False, False, True, False, True, True, False, True])
+    assert segment_positions(end).tolist() == [0, 1, 2, 0, 1, 0, 0, 1]
+
+
+def test_group_advantages_standardise_within_each_group_over_counted_rows() -> None:
+    returns = np.array([1.0, 3.0, 10.0, 20.0, 99.0, 7.0, 4.0, 4.0])
+    groups = np.array([0, 0, 1, 1, 1, 2, 3, 3])
+    mask = np.array([True, True, True, True, False, True, True, True])
+    adv = group_advantages(returns, groups, mask, eps=0.0)
+    # group 0: mean 2, std 1; group 1 counts 10 and 20 only (mean 15, std 5), 99 is out;
+    # groups 2 and 3 have no spread: no signal
+    np.testing.assert_allclose(adv, [-1.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0], rtol=1e-6)
+
+
+def test_group_baseline_trains_the_actor_and_leaves_the_critic_alone(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    batch = _batch(rng, np.full(N, 10, np.int64), np.zeros(N, bool), np.zeros(N, bool))
+    batch.segment_end[N // 2 - 1] = True  # two segments: groups are positions 0..N/2-1
+    before = [p.detach().clone() for p in build_policy("mlp-small", OBS, ACT, seed=0).parameters()]
+    scalars, after = _update(tmp_path, batch, version=10, baseline="group")
+    names = [name for name, _ in build_policy("mlp-small", OBS, ACT, seed=0).named_parameters()]
+    moved = {n for n, p, q in zip(names, before, after, strict=True) if not torch.equal(p, q)}
+    assert moved and all(not n.startswith("critic.") for n in moved)
+    assert any(n.startswith("actor_mean.") for n in moved)
+    assert scalars["losses/value_loss"] == 0.0
+    with pytest.raises(ValueError, match="baseline"):
+        TrainerConfig(baseline="mean")
 
 
 def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:

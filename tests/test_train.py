@@ -109,6 +109,10 @@ def test_shipped_configs_parse() -> None:
     for env in ("HalfCheetah-v5", "Hopper-v5", "InvertedPendulum-v5"):
         cfg, sources = load_config(env, None, {}, [])
         assert cfg.env == env and len(sources) == 2, f"no tuned config for {env}"
+    # --policy llm picks the env's llm file (its own learning rate and rollout length)
+    cfg, sources = load_config("InvertedPendulum-v5", None, {"policy": "llm"}, [])
+    assert sources[1].endswith("InvertedPendulum-v5-llm.toml") and cfg.policy == "llm"
+    assert cfg.ppo.learning_rate != load_config("InvertedPendulum-v5", None, {}, [])[0].ppo.learning_rate
 
 
 def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: Path) -> None:

@@ -58,6 +58,43 @@ def gae(
     return adv.astype(np.float32), (adv + values).astype(np.float32)
 
 
+def segment_positions(segment_end: np.ndarray) -> np.ndarray:
+    """int64 ``[n]``: each row's index within its segment (segments end where ``segment_end``)."""
+    n = len(segment_end)
+    starts = np.zeros(n, np.int64)
+    ends = np.flatnonzero(segment_end[:-1]) + 1
+    starts[ends] = ends
+    positions: np.ndarray = np.arange(n, dtype=np.int64) - np.maximum.accumulate(starts)
+    return positions
+
+
+def group_advantages(
+    returns: np.ndarray, groups: np.ndarray, mask: np.ndarray, eps: float = 1e-8
+) -> np.ndarray:
+    """GRPO-style advantages: ``returns`` standardised within each group.
+
+    Args:
+        returns: ``[n]`` what each row earned (e.g. the discounted reward-to-go).
+        groups: ``[n]`` int group ids (rows that are compared with each other).
+        mask: ``[n]`` bool, the rows that take part; the others get 0.
+        eps: added to each group's std.
+
+    Returns:
+        float32 ``[n]``: ``(returns - group mean) / (group std + eps)`` over the masked
+        rows of each group; 0 outside the mask and where a group's returns are all equal.
+    """
+    g = np.unique(groups, return_inverse=True)[1].ravel()
+    k = int(g.max()) + 1 if len(g) else 0
+    w = mask.astype(np.float64)
+    count = np.maximum(np.bincount(g, weights=w, minlength=k), 1.0)
+    mean = np.bincount(g, weights=w * returns, minlength=k) / count
+    std = np.sqrt(np.bincount(g, weights=w * (returns - mean[g]) ** 2, minlength=k) / count)
+    live = mask & (std[g] > 0)
+    adv = np.zeros(len(returns), np.float64)
+    adv[live] = (returns[live] - mean[g[live]]) / (std[g[live]] + eps)
+    return adv.astype(np.float32)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over rows where ``mask`` is true (0 when none is)."""
     m = mask.to(x.dtype)

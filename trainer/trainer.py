@@ -26,19 +26,28 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from torch import nn
 
-from edgerl.models import GaussianMLPPolicy, gaussian_log_prob
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.feed import TransitionFeed, learner_channel, publish_weights
-from edgerl.trainer.ppo import LossCoefs, gae, gaussian_entropy, normalize_advantages, ppo_loss
+from edgerl.trainer.policies import TrainablePolicy, trainable
+from edgerl.trainer.ppo import (
+    LossCoefs,
+    gae,
+    group_advantages,
+    normalize_advantages,
+    ppo_loss,
+    segment_positions,
+)
 from edgerl.trainer.segments import Batch, EpisodeTracker, RewardScaler, assemble
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
+BASELINES = ("critic", "group")
 LATEST = "latest.pt"
 
 
@@ -69,6 +78,10 @@ class TrainerConfig:
     """Scale rewards by the std of the discounted return (per env), clipped to +-10."""
     target_kl: float = 0.0
     """Stop an update's epochs early once approx KL exceeds this (0: never)."""
+    baseline: str = "critic"
+    """``critic``: GAE with the value function. ``group`` (GRPO-style, no critic): a step's
+    advantage is its discounted reward-to-go to the end of its segment, standardised among
+    the batch's steps at the same position of their segments (the same horizon left)."""
     max_policy_lag: int = 2
     """Transitions from weights more than this many publishes old are masked (kept for GAE)."""
     decoupled: bool = False
@@ -93,6 +106,8 @@ class TrainerConfig:
             raise ValueError("need 0 < gamma <= 1 and 0 <= gae_lambda <= 1")
         if self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+        if self.baseline not in BASELINES:
+            raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         if self.learning_rate <= 0 or self.clip <= 0:
             raise ValueError("learning_rate and clip must be > 0")
 
@@ -144,7 +159,7 @@ class Trainer:
     def __init__(
         self,
         config: TrainerConfig,
-        policy: GaussianMLPPolicy,
+        policy: nn.Module | TrainablePolicy,
         server: str,
         run_dir: str | Path,
         *,
@@ -156,10 +171,12 @@ class Trainer:
         self.security = security or ClientSecurity()
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
-        self.policy = policy
+        self.policy = trainable(policy)
         self.server = server
         self.run_dir = Path(run_dir)
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True)
+        self.optimizer = torch.optim.Adam(
+            self.policy.module.parameters(), lr=cfg.learning_rate, eps=1e-5, fused=True
+        )
         self.scaler = RewardScaler(cfg.gamma) if cfg.normalize_rewards else None
         self.episodes = EpisodeTracker()
         self.state = TrainerState()
@@ -212,7 +229,7 @@ class Trainer:
                 update_s = time.monotonic() - t0
                 self.state.version += 1
                 resp = publish_weights(
-                    stub, self.policy.state_dict(), self.state.version, security=self.security
+                    stub, self.policy.served_state(), self.state.version, security=self.security
                 )
                 now = time.monotonic()
                 scalars.update(
@@ -269,41 +286,40 @@ class Trainer:
             frac = max(0.0, 1.0 - st.env_steps / cfg.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.learning_rate * frac
-        obs_ext = torch.from_numpy(batch.obs_ext)
-        with torch.no_grad():
-            v_ext = pol.value(obs_ext).numpy()
-        values = v_ext[batch.obs_index]
+        lag = st.version - batch.versions
+        stale = lag > cfg.max_policy_lag
+        policy_mask_np = ~(stale | batch.fallback | batch.autoreset)
+        if cfg.baseline == "critic":
+            v_ext = pol.values(batch.obs_ext)
+            values = v_ext[batch.obs_index]
+            next_values = v_ext[batch.next_index]
+            value_mask_np = ~(stale | batch.autoreset)
+        else:  # no critic: nothing is bootstrapped and the value loss has no row
+            values = next_values = np.zeros(n, np.float32)
+            value_mask_np = np.zeros(n, bool)
         adv, ret = gae(
             batch.rewards,
             values,
-            v_ext[batch.next_index],
+            next_values,
             terminated=batch.terminated,
             truncated=batch.truncated,
             segment_end=batch.segment_end,
             gamma=cfg.gamma,
-            lam=cfg.gae_lambda,
+            lam=cfg.gae_lambda if cfg.baseline == "critic" else 1.0,
         )
-        lag = st.version - batch.versions
-        stale = lag > cfg.max_policy_lag
-        policy_mask_np = ~(stale | batch.fallback | batch.autoreset)
-        value_mask_np = ~(stale | batch.autoreset)
+        if cfg.baseline == "group":
+            adv = group_advantages(ret, segment_positions(batch.segment_end), policy_mask_np)
 
-        # The normaliser's statistics stay fixed during the update (they change after
-        # it), so observations are normalised once, not in every minibatch.
-        with torch.no_grad():
-            nobs = pol.obs_norm(obs_ext[torch.from_numpy(batch.obs_index)])
-        actions = torch.from_numpy(batch.actions)
+        obs = batch.obs_ext[batch.obs_index]
+        pol.prepare(obs, batch.actions)
         behaviour = torch.from_numpy(batch.log_probs)
         t_adv, t_ret = torch.from_numpy(adv), torch.from_numpy(ret)
         t_old_v = torch.from_numpy(values)
         pmask = torch.from_numpy(policy_mask_np).float()
         vmask = torch.from_numpy(value_mask_np).float()
-        proximal = None
-        if cfg.decoupled:
-            with torch.no_grad():
-                proximal = gaussian_log_prob(pol.actor_mean(nobs), pol.actor_log_std, actions)
+        proximal = pol.log_probs(n) if cfg.decoupled else None
 
-        params = [p for p in pol.parameters() if p.requires_grad]
+        params = [p for p in pol.module.parameters() if p.requires_grad]
         sums: dict[str, float] = {}
         measured = 0
         stop_early = False
@@ -312,21 +328,20 @@ class Trainer:
             perm = torch.from_numpy(self._rng.permutation(n))
             for lo in per_epoch:
                 idx = perm[lo : lo + cfg.minibatch_size]
-                o = nobs[idx]
-                log_std = pol.actor_log_std
                 last = lo == per_epoch[-1]
                 m_p = pmask[idx]
                 a = t_adv[idx]
                 if cfg.normalize_advantages:  # per minibatch, as CleanRL does
                     a = normalize_advantages(a, m_p)
+                ev = pol.evaluate(idx)
                 loss, stats = ppo_loss(
-                    new_log_probs=gaussian_log_prob(pol.actor_mean(o), log_std, actions[idx]),
+                    new_log_probs=ev.log_probs,
                     behaviour_log_probs=behaviour[idx],
                     advantages=a,
-                    new_values=pol.critic(o).squeeze(-1),
+                    new_values=ev.values,
                     old_values=t_old_v[idx],
                     returns=t_ret[idx],
-                    entropy=gaussian_entropy(log_std),
+                    entropy=ev.entropy,
                     policy_mask=m_p,
                     value_mask=vmask[idx],
                     coefs=self._coefs,
@@ -344,8 +359,7 @@ class Trainer:
             if cfg.target_kl and float(stats["approx_kl"]) > cfg.target_kl:
                 stop_early = True
                 break
-        keep = ~batch.autoreset
-        pol.obs_norm.update(torch.from_numpy(batch.obs_ext[batch.obs_index[keep]]))
+        pol.observe(obs[~batch.autoreset])
 
         st.updates += 1
         st.env_steps += n
@@ -384,12 +398,12 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"ckpt-{self.state.version:08d}.pt"
         payload = {
-            "policy": self.policy.state_dict(),
+            "policy": self.policy.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "state": dataclasses.asdict(self.state),
             "reward_rms": self.scaler.rms.state() if self.scaler else None,
             "config": dataclasses.asdict(self.config),
-            "hidden": list(self.policy.hidden),
+            **self.policy.checkpoint_meta(),
         }
         tmp = path.with_suffix(".tmp")
         torch.save(payload, tmp)
@@ -403,7 +417,10 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         payload = torch.load(path, weights_only=False)
-        self.policy.load_state_dict(payload["policy"])
+        kind = payload.get("kind", "mlp")
+        if kind != self.policy.kind:
+            raise ValueError(f"{path}: a checkpoint of a {kind} policy, not of a {self.policy.kind} policy")
+        self.policy.module.load_state_dict(payload["policy"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.state = TrainerState(**payload["state"])
         if self.scaler is not None and payload.get("reward_rms"):
