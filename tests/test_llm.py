@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -139,23 +138,6 @@ def test_llm_actor_critic_entropy_value_head_and_served_names(model_dir: Path) -
     # the weights published to the engine are exactly the model folder's tensors
     assert {k: tuple(v.shape) for k, v in policy.served_state().items()} == weights_manifest(model_dir)
     assert served_weights(policy.state_dict()).keys() == policy.served_state().keys()
-
-
-def test_concurrent_batches_share_the_engine_and_keep_their_own_rows(server: Any, model_dir: Path) -> None:
-    """Two batches in flight at once (continuous batching) each get the answers to their own prompts."""
-    backend = server.backend  # the initial weights still (runs before the publish test)
-    assert backend.concurrent_batches == 2 and server.server.batcher.concurrency == 2
-    policy = load_llm_actor_critic(model_dir, LOW, HIGH, instruction="balance")
-    batches = [_obs(24, 10), _obs(8, 11) + 3.0]  # different sizes and observations
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(backend.infer, batches))
-    for obs, res in zip(batches, results, strict=True):
-        assert res.actions.shape == (len(obs), 2)
-        with torch.no_grad():
-            lp, _, _ = policy(policy.prompts(obs), policy.action_tokens(res.actions))
-        # a row answered from another row's prompt would have another log-prob
-        assert np.abs(lp.numpy() - res.log_probs).max() < 1e-3
-    assert not backend._finished  # nothing left behind
 
 
 def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -> None:
