@@ -74,6 +74,8 @@ class RunConfig:
             )
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
+        if self.model and self.policy != LLM_PRESET:
+            raise ValueError(f"model: a model folder is for policy {LLM_PRESET!r}, not {self.policy!r}")
 
     @property
     def batch_steps(self) -> int:

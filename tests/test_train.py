@@ -101,6 +101,8 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
         load_config(None, None, {}, ["ppo.nonsense=1"])
     with pytest.raises(ValueError, match="epochs: expected an integer"):
         load_config(None, None, {}, ["ppo.epochs=many"])
+    with pytest.raises(ValueError, match="model: a model folder is for policy 'llm'"):
+        load_config(None, None, {"model": "/some/folder"}, [])
     with pytest.raises(FileNotFoundError, match="--config"):
         load_config(None, str(tmp_path / "missing.toml"), {}, [])
 
