@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import random
+import selectors
 import socket
 import time
 from collections import deque
@@ -48,6 +49,24 @@ from edgerl.watchdog.samples import Samples
 from edgerl.watchdog.watchdog import Tick, Watchdog, WatchdogConfig
 
 log = logging.getLogger(__name__)
+
+
+def precise_event_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose waits end on time, for running between control ticks.
+
+    The default loop waits in ``epoll``, whose timeout has whole milliseconds,
+    rounded up: a loop run until the next tick would wake up to a millisecond
+    late, on every tick. ``select`` takes microseconds (and a robot process has
+    few file descriptors, far below its limit of 1024).
+    """
+    return asyncio.SelectorEventLoop(selectors.SelectSelector())
+
+
+def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    """Run ``loop`` for ``seconds`` (the control loop's idle time between two slots)."""
+    timer = loop.call_later(seconds, loop.stop)
+    loop.run_forever()
+    timer.cancel()
 
 
 @dataclass(frozen=True)
@@ -355,7 +374,7 @@ class RobotHost:
                 reconnect_backoff_max_s=config.backoff_max_s,
             )
         )
-        self._loop = asyncio.new_event_loop()
+        self._loop = precise_event_loop()
         self._outbox = _Outbox()
         for link in self.links:
             link.outbox = self._outbox
@@ -385,10 +404,8 @@ class RobotHost:
         return self._outbox.connected
 
     def _run_stream_for(self, seconds: float) -> None:
-        """Run the stream's event loop for ``seconds`` (the control loop's idle time)."""
-        timer = self._loop.call_later(seconds, self._loop.stop)
-        self._loop.run_forever()
-        timer.cancel()
+        """Run the stream's event loop for the control loop's idle time."""
+        run_loop_for(self._loop, seconds)
 
     def start(self) -> None:
         """Open the stream (waiting up to ``connect_timeout_s``), then start the control loop."""

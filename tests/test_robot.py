@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -14,7 +15,13 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.cli import main
 from edgerl.models import build_policy
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
-from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.robot_client.runner import (
+    LinkFaults,
+    RobotHost,
+    RobotRunnerConfig,
+    precise_event_loop,
+    run_loop_for,
+)
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
@@ -250,3 +257,20 @@ def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
     backend = TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
     with pytest.raises(ValueError, match="one action per transition"):
         EdgeServer(backend, ServerConfig(port=0, learner=TransitionConfig()))
+
+
+def test_the_control_loops_idle_time_serves_the_stream_and_never_ends_early() -> None:
+    """Between slots the stream's loop runs on a select() loop (microsecond timeouts)."""
+    loop = precise_event_loop()
+    assert isinstance(loop, asyncio.SelectorEventLoop)
+    try:
+        for seconds in (0.0005, 0.0015, 0.004, 0.0105):
+            ran: list[str] = []
+            loop.call_soon(ran.append, "ready")
+            loop.call_later(seconds / 2, ran.append, "halfway")
+            t0 = time.monotonic()
+            run_loop_for(loop, seconds)
+            assert time.monotonic() - t0 >= seconds
+            assert ran == ["ready", "halfway"], (seconds, ran)
+    finally:
+        loop.close()
