@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend, PolicyResult
+from edgerl.edge_server.policy import PolicyBackend, PolicyResult, check_weights
 from edgerl.models.llm import ObsActionCodec
 
 log = logging.getLogger(__name__)
@@ -173,15 +173,7 @@ class VLLMPolicyBackend(PolicyBackend):
         """
         from safetensors.numpy import save_file
 
-        missing = sorted(set(self.manifest) - set(weights))
-        unknown = sorted(set(weights) - set(self.manifest))
-        if missing or unknown:
-            raise KeyError(f"weights: missing {missing[:5]}, unknown {unknown[:5]}")
-        for name, value in weights.items():
-            if tuple(value.shape) != self.manifest[name]:
-                raise ValueError(
-                    f"weights[{name!r}]: expected shape {list(self.manifest[name])}, got {list(value.shape)}"
-                )
+        check_weights(weights, self.manifest)
         t0 = time.perf_counter()
         save_file(
             {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
@@ -192,6 +184,3 @@ class VLLMPolicyBackend(PolicyBackend):
         self.version = version
         self.last_swap_s = time.perf_counter() - t0
         log.info("vLLM weights v%d loaded in %.1f ms", version, self.last_swap_s * 1e3)
-
-    def warmup(self, rows: int = 8) -> None:
-        self.infer(np.zeros((rows, *self.obs_shape), dtype=np.float32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,24 @@ class PolicyResult:
     """float32 ``[n]``: log-probability of each action (nats)."""
     values: np.ndarray | None = None
     """float32 ``[n]``: state-value estimates, or None if the backend computes none."""
+
+
+def check_weights(weights: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Check that ``weights`` has exactly the tensors of ``expected`` (name to shape).
+
+    Raises:
+        KeyError: a tensor is missing or unknown (up to five of each are named).
+        ValueError: a tensor has another shape.
+    """
+    missing = sorted(set(expected) - set(weights))
+    unknown = sorted(set(weights) - set(expected))
+    if missing or unknown:
+        raise KeyError(f"weights: missing {missing[:5]}, unknown {unknown[:5]}")
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(expected[name]):
+            raise ValueError(
+                f"weights[{name!r}]: expected shape {list(expected[name])}, got {list(value.shape)}"
+            )
 
 
 class PolicyBackend(abc.ABC):
@@ -108,15 +127,7 @@ class TorchPolicyBackend(PolicyBackend):
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
         current = self.policy.state_dict()
-        missing = sorted(set(current) - set(weights))
-        unknown = sorted(set(weights) - set(current))
-        if missing or unknown:
-            raise KeyError(f"weights: missing {missing}, unknown {unknown}")
-        for name, value in weights.items():
-            if tuple(value.shape) != tuple(current[name].shape):
-                raise ValueError(
-                    f"weights[{name!r}]: expected shape {list(current[name].shape)}, got {list(value.shape)}"
-                )
+        check_weights(weights, {k: tuple(v.shape) for k, v in current.items()})
         state = {k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in weights.items()}
         self.policy.load_state_dict(state)
         self.version = version

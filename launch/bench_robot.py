@@ -292,7 +292,8 @@ def sync_loop(cfg: BenchRobotConfig, address: str) -> dict[str, Any]:
                 latencies.append(time.monotonic() - t)
                 action = answer.actions[0].reshape(-1, robot.action_low.size)[0]
                 robot.apply(np.clip(action, robot.action_low, robot.action_high))
-                if robot.read().terminated or robot.read().truncated:
+                reading = robot.read()
+                if reading.terminated or reading.truncated:
                     robot.reset()
                 ticks += 1
             return ticks, time.monotonic() - t0, latencies

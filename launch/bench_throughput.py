@@ -198,18 +198,17 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                 runs[mode].append(sps)
                 progress(f"  {mode}: {sps:,.0f} env steps/s")
     med = {m: statistics.median(v) for m, v in runs.items()}
+    overlap = statistics.median(bounds)
     return {
         "bench": "throughput",
         "config": asdict(cfg),
         **{m: round(med[m], 1) for m in MODES},
-        "overlap_bound": round(statistics.median(bounds), 3),
+        "overlap_bound": round(overlap, 3),
         "ratios": {
             "async_stream/sync_unary": round(med["async_stream"] / med["sync_unary"], 3),
             "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
             # how much of the overlap bound the pipeline reaches (1.0: perfect overlap)
-            "async_stream/overlap_bound": round(
-                med["async_stream"] / (med["sync_inprocess"] * statistics.median(bounds)), 3
-            ),
+            "async_stream/overlap_bound": round(med["async_stream"] / (med["sync_inprocess"] * overlap), 3),
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         "server_async_stream": stream_stats,

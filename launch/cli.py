@@ -231,12 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--robots", type=int, default=100, help="robots in all")
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
-    p.add_argument(
-        "--policy", default="mlp", choices=[*sorted(POLICY_PRESETS), LLM_PRESET], help="policy (see serve)"
-    )
-    p.add_argument("--model", default="", help="local model folder of --policy llm")
+    _add_policy(p)
     p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
-    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
     robot_cli.add_watchdog_arguments(p, estop_after=150)
     p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
@@ -544,6 +540,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
         processes=a.processes,
         robots_per_slot=a.robots_per_slot,
         realtime_priority=a.realtime_priority,
+        torch_threads=a.torch_threads,
         warmup_s=a.warmup_s,
         duration_s=a.seconds,
         sync_loop_s=a.sync_loop_s,

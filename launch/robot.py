@@ -24,7 +24,8 @@ DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 
 def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> None:
-    """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback, e-stop."""
+    """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
+    e-stop and when to ask for new actions."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
@@ -34,6 +35,7 @@ def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> N
         default=estop_after,
         help="consecutive fallbacks that latch an e-stop (0: never)",
     )
+    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
 
 
 def add_fault_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-delta", type=float, default=None, help="rate limit per tick (default: 25%% of range)"
     )
-    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
     p.add_argument("--seconds", type=float, default=0.0, help="run time (0: until Ctrl-C)")
     add_fault_arguments(p)
     p.add_argument(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -384,7 +385,7 @@ class RobotHost:
             name="robot-control",
             slots=math.ceil(len(self.links) / config.robots_per_slot),
             after_slot=self._outbox.flush,
-            idle=self._run_stream_for,
+            idle=functools.partial(run_loop_for, self._loop),
             realtime_priority=config.realtime_priority,
         )
         self._stopping: asyncio.Event | None = None
@@ -403,16 +404,12 @@ class RobotHost:
     def connected(self) -> bool:
         return self._outbox.connected
 
-    def _run_stream_for(self, seconds: float) -> None:
-        """Run the stream's event loop for the control loop's idle time."""
-        run_loop_for(self._loop, seconds)
-
     def start(self) -> None:
         """Open the stream (waiting up to ``connect_timeout_s``), then start the control loop."""
         self._loop.run_until_complete(self._start())
         deadline = time.monotonic() + self.config.connect_timeout_s
         while not self._outbox.connected and time.monotonic() < deadline:
-            self._run_stream_for(0.02)
+            run_loop_for(self._loop, 0.02)
         if not self._outbox.connected:
             log.warning(
                 "no stream to %s within %.1fs; the robots run on fallbacks until it connects",

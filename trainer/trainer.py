@@ -294,9 +294,11 @@ class Trainer:
             values = v_ext[batch.obs_index]
             next_values = v_ext[batch.next_index]
             value_mask_np = ~(stale | batch.autoreset)
-        else:  # no critic: nothing is bootstrapped and the value loss has no row
+            lam = cfg.gae_lambda
+        else:  # no critic: plain discounted returns, nothing bootstrapped, no value loss
             values = next_values = np.zeros(n, np.float32)
             value_mask_np = np.zeros(n, bool)
+            lam = 1.0
         adv, ret = gae(
             batch.rewards,
             values,
@@ -305,7 +307,7 @@ class Trainer:
             truncated=batch.truncated,
             segment_end=batch.segment_end,
             gamma=cfg.gamma,
-            lam=cfg.gae_lambda if cfg.baseline == "critic" else 1.0,
+            lam=lam,
         )
         if cfg.baseline == "group":
             adv = group_advantages(ret, segment_positions(batch.segment_end), policy_mask_np)

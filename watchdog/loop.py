@@ -99,9 +99,8 @@ class ControlLoop:
         heap = []
         for i, dog in enumerate(self.watchdogs):
             t0 = start + (i * self.slots // n) * dog.config.period_s / self.slots
-            heap.append(
-                _Due(t0, i, dog._tick_index + 1, t0 - (dog._tick_index + 1) * dog.config.period_s, dog)
-            )
+            k = dog.next_tick_index
+            heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
         done = 0
         while not self._stop.is_set():

@@ -30,12 +30,15 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.samples import Samples
+
+if TYPE_CHECKING:  # the loop module imports this one
+    from edgerl.watchdog.loop import ControlLoop
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +220,7 @@ class Watchdog:
         self._jitter = Samples(cfg.stats_window)
         self._last_warning = -math.inf
         self._fallbacks_at_warning = 0
-        self._loop: Any = None
+        self._loop: ControlLoop | None = None
 
     def _vector(self, value: Sequence[float] | np.ndarray | None, name: str, default: float) -> np.ndarray:
         if value is None:
@@ -371,6 +374,11 @@ class Watchdog:
         self._ages.clear()
         self._jitter.clear()
         self._max_consecutive = self._consecutive
+
+    @property
+    def next_tick_index(self) -> int:
+        """Index of the tick to come (0 before the first): a loop continues the schedule from it."""
+        return self._tick_index + 1
 
     def jitter_s(self) -> np.ndarray:
         """Lateness of the recent ticks against their schedule (seconds)."""
