@@ -1,4 +1,4 @@
-"""Shared test helpers: test policies and a server started on port 0."""
+"""Shared test helpers: test policies, a server started on port 0, a random training batch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from edgerl.edge_server.policy import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.trainer.segments import Batch
 
 
 class EchoPolicy(PolicyBackend):
@@ -114,3 +115,36 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def random_batch(
+    rng: np.random.Generator,
+    n: int,
+    obs_dim: int,
+    act_dim: int,
+    *,
+    versions: np.ndarray | None = None,
+    fallback: np.ndarray | None = None,
+    autoreset: np.ndarray | None = None,
+) -> Batch:
+    """``n`` random transitions of one segment (random observations, actions, log-probs, rewards)."""
+    f, none = np.float32, np.zeros(n, bool)
+    end = np.zeros(n, bool)
+    end[-1] = True
+    return Batch(
+        obs_ext=rng.standard_normal((n + 1, obs_dim)).astype(f),
+        obs_index=np.arange(n),
+        next_index=np.arange(1, n + 1),
+        actions=rng.standard_normal((n, act_dim)).astype(f),
+        log_probs=rng.standard_normal(n).astype(f) - 2.0,
+        served_values=np.zeros(n, f),
+        versions=np.zeros(n, np.int64) if versions is None else versions,
+        rewards=rng.standard_normal(n).astype(f),
+        raw_rewards=np.zeros(n, f),
+        terminated=none.copy(),
+        truncated=none.copy(),
+        fallback=none.copy() if fallback is None else fallback,
+        autoreset=none.copy() if autoreset is None else autoreset,
+        segment_end=end,
+        last_seq=1,
+    )

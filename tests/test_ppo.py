@@ -23,6 +23,7 @@ from edgerl.trainer.ppo import (
 )
 from edgerl.trainer.segments import Batch
 from edgerl.trainer.trainer import Trainer, TrainerConfig
+from tests.helpers import random_batch
 
 F = np.float32
 
@@ -89,8 +90,11 @@ def test_masked_mean_and_normalisation_ignore_masked_rows() -> None:
     m = torch.tensor([True, True, False])
     assert masked_mean(x, m).item() == pytest.approx(2.0)
     assert masked_mean(x, torch.zeros(3, dtype=torch.bool)).item() == 0.0
-    n = normalize_advantages(x, m)
+    n = normalize_advantages(x.numpy(), m.numpy())
+    assert n.dtype == np.float32
     assert n[:2].tolist() == pytest.approx([-1.0, 1.0], rel=1e-5)
+    assert n[2] == pytest.approx((100.0 - 2.0) / 1.0, rel=1e-5)  # kept in place, same affine map
+    assert normalize_advantages(x.numpy(), np.zeros(3, bool)).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_gaussian_entropy_matches_torch() -> None:
@@ -161,26 +165,7 @@ OBS, ACT, N = 5, 2, 64
 def _batch(
     rng: np.random.Generator, versions: np.ndarray, fallback: np.ndarray, autoreset: np.ndarray
 ) -> Batch:
-    obs_ext = rng.standard_normal((N + 1, OBS)).astype(F)
-    end = np.zeros(N, bool)
-    end[-1] = True
-    return Batch(
-        obs_ext=obs_ext,
-        obs_index=np.arange(N),
-        next_index=np.arange(1, N + 1),
-        actions=rng.standard_normal((N, ACT)).astype(F),
-        log_probs=rng.standard_normal(N).astype(F) - 2.0,
-        served_values=np.zeros(N, F),
-        versions=versions,
-        rewards=rng.standard_normal(N).astype(F),
-        raw_rewards=np.zeros(N, F),
-        terminated=np.zeros(N, bool),
-        truncated=np.zeros(N, bool),
-        fallback=fallback,
-        autoreset=autoreset,
-        segment_end=end,
-        last_seq=1,
-    )
+    return random_batch(rng, N, OBS, ACT, versions=versions, fallback=fallback, autoreset=autoreset)
 
 
 def _update(

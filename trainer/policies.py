@@ -97,6 +97,11 @@ class GaussianTrainable(TrainablePolicy):
             self._nobs = self.policy.obs_norm(torch.from_numpy(obs))
         self._actions = torch.from_numpy(actions)
 
+    @property
+    def prepared(self) -> tuple[np.ndarray, np.ndarray]:
+        """The update's normalised observations ``[n, obs_dim]`` and actions ``[n, act_dim]``."""
+        return self._nobs.numpy(), self._actions.numpy()
+
     def evaluate(self, idx: torch.Tensor) -> Evaluation:
         pol, o = self.policy, self._nobs[idx]
         return Evaluation(

@@ -101,11 +101,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / m.sum().clamp(min=1.0)
 
 
-def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit std over the masked rows (masked-out rows keep their place)."""
-    mean = masked_mean(adv, mask)
-    var = masked_mean((adv - mean) ** 2, mask)
-    return (adv - mean) / (var.sqrt() + eps)
+def normalize_advantages(adv: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """float32: zero mean, unit std over the rows where ``mask`` (masked-out rows keep their place).
+
+    All zeros when no row is in the mask (no row drives the policy then).
+    """
+    m = mask.astype(np.float64)
+    count = float(m.sum())
+    if count == 0:
+        return np.zeros(len(adv), np.float32)
+    mean = float((adv * m).sum()) / count
+    std = math.sqrt(float(((adv - mean) ** 2 * m).sum()) / count)
+    out: np.ndarray = ((adv - mean) / (std + eps)).astype(np.float32)
+    return out
 
 
 def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
