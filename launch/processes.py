@@ -56,6 +56,8 @@ class PolicySpec:
     """Actions per observation (action chunks of this length when > 1)."""
     model: str = ""
     """Local model folder for the ``llm`` preset; empty: the small random Llama built on first use."""
+    log_std_init: float = 0.0
+    """Initial log-std of an MLP preset's action noise (the trainer's initial weights must agree)."""
 
 
 LLM_PRESET = "llm"
@@ -93,7 +95,13 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
         return llm, spec
     if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
         raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
-    net = build_policy(policy.preset, spec.obs_shape[0], spec.act_shape[0] * policy.chunk, seed=policy.seed)
+    net = build_policy(
+        policy.preset,
+        spec.obs_shape[0],
+        spec.act_shape[0] * policy.chunk,
+        seed=policy.seed,
+        log_std_init=policy.log_std_init,
+    )
     version = 0
     if policy.checkpoint:
         payload = _load_checkpoint(policy.checkpoint, "mlp")

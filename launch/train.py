@@ -53,6 +53,9 @@ class RunConfig:
     served by vLLM and trained over its action tokens."""
     model: str = ""
     """Local model folder of ``policy = "llm"``; empty: the small random Llama built on first use."""
+    log_std_init: float = 0.0
+    """Initial log-std of an MLP policy's action noise (0: std 1; HalfCheetah learns far more
+    reliably from -1, std 0.37)."""
     segment_steps: int = 32
     """Transitions per env per batch (the rollout length)."""
     workers: int = 1
@@ -76,6 +79,8 @@ class RunConfig:
             raise ValueError("steps and segment_steps must be >= 1")
         if self.model and self.policy != LLM_PRESET:
             raise ValueError(f"model: a model folder is for policy {LLM_PRESET!r}, not {self.policy!r}")
+        if self.log_std_init and self.policy == LLM_PRESET:
+            raise ValueError(f"log_std_init: for the MLP policies; policy {LLM_PRESET!r} samples tokens")
 
     @property
     def batch_steps(self) -> int:
@@ -237,7 +242,9 @@ def run_training(
         model = model or str(tiny_llm(cfg.seed))
         net = load_llm_actor_critic(model, spec.act_low, spec.act_high)
     else:
-        net = build_policy(cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed)
+        net = build_policy(
+            cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed, log_std_init=cfg.log_std_init
+        )
     policy_spec = PolicySpec(
         env_name=cfg.env,
         preset=cfg.policy,
@@ -245,6 +252,7 @@ def run_training(
         compute_values=True,
         checkpoint=str(checkpoint or ""),
         model=model,
+        log_std_init=cfg.log_std_init,
     )
     batch = cfg.batch_steps
     learner = TransitionConfig(

@@ -85,14 +85,16 @@ class GaussianMLPPolicy(nn.Module):
     Inference runs the actor only; the critic is evaluated by the trainer.
     """
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: Sequence[int] = (256, 256)) -> None:
+    def __init__(
+        self, obs_dim: int, act_dim: int, hidden: Sequence[int] = (256, 256), log_std_init: float = 0.0
+    ) -> None:
         super().__init__()
         if obs_dim < 1 or act_dim < 1:
             raise ValueError(f"obs_dim and act_dim must be >= 1, got {obs_dim}, {act_dim}")
         self.obs_dim, self.act_dim, self.hidden = obs_dim, act_dim, tuple(hidden)
         self.obs_norm = RunningNorm((obs_dim,))
         self.actor_mean = _mlp((obs_dim, *hidden, act_dim), out_gain=0.01)
-        self.actor_log_std = nn.Parameter(torch.zeros(act_dim))
+        self.actor_log_std = nn.Parameter(torch.full((act_dim,), float(log_std_init)))
         self.critic = _mlp((obs_dim, *hidden, 1), out_gain=1.0)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
@@ -111,12 +113,17 @@ def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.
     return -0.5 * (z.pow(2) + _LOG_2PI).sum(-1) - log_std.sum(-1)
 
 
-def build_policy(preset: str, obs_dim: int, act_dim: int, seed: int = 0) -> GaussianMLPPolicy:
-    """A freshly initialised policy of a named preset, deterministic in ``seed``."""
+def build_policy(
+    preset: str, obs_dim: int, act_dim: int, seed: int = 0, log_std_init: float = 0.0
+) -> GaussianMLPPolicy:
+    """A freshly initialised policy of a named preset, deterministic in ``seed``.
+
+    ``log_std_init`` is the initial log-std of the action noise (0: std 1, as CleanRL).
+    """
     try:
         hidden = POLICY_PRESETS[preset]
     except KeyError:
         raise ValueError(f"policy {preset!r}: choose one of {sorted(POLICY_PRESETS)}") from None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GaussianMLPPolicy(obs_dim, act_dim, hidden)
+        return GaussianMLPPolicy(obs_dim, act_dim, hidden, log_std_init)

@@ -4,6 +4,7 @@ import numpy as np
 import torch
 
 from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.launch.processes import PolicySpec, build_backend
 from edgerl.models import RunningNorm, build_policy, gaussian_log_prob
 
 
@@ -39,6 +40,18 @@ def test_served_log_probs_are_those_of_the_served_actions() -> None:
         recomputed = gaussian_log_prob(mean, log_std, torch.from_numpy(out.actions)).numpy()
     np.testing.assert_allclose(out.log_probs, recomputed, atol=1e-4)
     assert out.actions.dtype == np.float32 and out.log_probs.dtype == np.float32
+
+
+def test_log_std_init_is_the_servers_and_the_trainers_initial_noise() -> None:
+    assert torch.equal(build_policy("mlp-small", 17, 6).actor_log_std.detach(), torch.zeros(6))
+    trainer_net = build_policy("mlp-small", 17, 6, seed=4, log_std_init=-1.0)
+    assert torch.equal(trainer_net.actor_log_std.detach(), torch.full((6,), -1.0))
+    backend, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp-small", seed=4, log_std_init=-1.0))
+    assert isinstance(backend, TorchPolicyBackend)
+    served = backend.policy.state_dict()
+    assert torch.equal(served["actor_log_std"], torch.full((6,), -1.0))
+    for name, value in trainer_net.state_dict().items():  # (orthogonal init: last bits vary with threads)
+        torch.testing.assert_close(served[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_presets_are_deterministic_in_the_seed() -> None:

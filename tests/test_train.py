@@ -89,6 +89,7 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
     assert (cfg.envs, cfg.steps) == (64, 1_000_000)  # the shipped tuned file
     assert sources[1].endswith("HalfCheetah-v5.toml")
     assert cfg.ppo.batch_steps == 64 * 32 and cfg.ppo.total_steps == 1_000_000
+    assert cfg.log_std_init == -1.0 and load_config("Hopper-v5", None, {}, [])[0].log_std_init == 0.0
 
     file = tmp_path / "my.toml"
     file.write_text("envs = 8\nsteps = 5000\n[ppo]\nepochs = 3\nlearning_rate = 1e-3\n")
@@ -103,6 +104,8 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
         load_config(None, None, {}, ["ppo.epochs=many"])
     with pytest.raises(ValueError, match="model: a model folder is for policy 'llm'"):
         load_config(None, None, {"model": "/some/folder"}, [])
+    with pytest.raises(ValueError, match="log_std_init: for the MLP policies"):
+        load_config(None, None, {"policy": "llm"}, ["log_std_init=-1"])
     with pytest.raises(FileNotFoundError, match="--config"):
         load_config(None, str(tmp_path / "missing.toml"), {}, [])
 
