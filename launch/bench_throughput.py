@@ -1,6 +1,6 @@
 """``edgerl bench throughput``: three designs side by side, same env, policy and env count.
 
-- ``sync_inprocess``: one SyncVectorEnv + a batched forward pass in one process, no RPC.
+- ``sync_inprocess``: one vector env + a batched forward pass in one process, no RPC.
 - ``sync_unary``: one unary RPC per env per step, waiting for each answer (the naive design).
 - ``async_stream``: the edge server + double-buffered streaming sim workers.
 
@@ -92,7 +92,7 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
         t0 = time.perf_counter()
         actions = np.clip(backend.infer(state["obs"]).actions, spec.act_low, spec.act_high)
         t1 = time.perf_counter()
-        state["obs"] = np.asarray(envs.step(actions)[0], dtype=np.float32)
+        state["obs"] = envs.step(actions)[0]
         spent["inference"] += t1 - t0
         spent["env"] += time.perf_counter() - t1
         return cfg.envs

@@ -97,10 +97,7 @@ class _Group:
         await stream.send(self.ids, self.obs, self.rewards, self.terminated, self.truncated)
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
-        obs, rew, term, trunc, _ = self.envs.step(actions)
-        self.obs = np.asarray(obs, dtype=np.float32)
-        self.rewards = np.asarray(rew, dtype=np.float32)
-        self.terminated, self.truncated = np.asarray(term, bool), np.asarray(trunc, bool)
+        self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
         live = ~self.resetting  # NEXT_STEP autoreset: a reset step is no part of an episode
         self.ep_return[live] += self.rewards[live]
         self.ep_length[live] += 1

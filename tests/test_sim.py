@@ -1,5 +1,6 @@
 """The simulated tasks: seeded, vectorised, served end to end."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -18,6 +19,26 @@ def test_same_seed_same_trajectory() -> None:
     np.testing.assert_array_equal(a.step(act)[0], b.step(act)[0])
     for e in (a, b, c):
         e.close()
+
+
+def test_vector_env_steps_exactly_like_gymnasiums_sync_vector_env() -> None:
+    n, steps = 4, 150
+    ours, obs = make_vector_env("Hopper-v5", n, seed=3)
+    ref = gym.vector.SyncVectorEnv([lambda: gym.make("Hopper-v5") for _ in range(n)])
+    ref_obs, _ = ref.reset(seed=[3 + i for i in range(n)])
+    np.testing.assert_array_equal(obs, ref_obs.astype(np.float32))
+    actions = np.random.default_rng(0).uniform(-1, 1, (steps, n, 3)).astype(np.float32)
+    ends = 0
+    for t in range(steps):
+        got = ours.step(actions[t])
+        want = ref.step(actions[t])[:4]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, np.asarray(w).astype(g.dtype), err_msg=f"step {t}")
+        assert got[0].dtype == np.float32 and got[1].dtype == np.float32 and got[2].dtype == bool
+        ends += int((got[2] | got[3]).sum())
+    assert ends >= n  # episodes ended and were autoreset along the way
+    ours.close()
+    ref.close()
 
 
 def test_unknown_env_is_a_clear_error() -> None:
