@@ -53,8 +53,7 @@ async def _drive_envs(
             versions.add(res.policy_version)
             for i in gids:
                 counts[i] += 1
-            o, r, term, trunc, _ = groups[g][0].step(np.clip(res.actions, -1, 1))
-            obs[g] = np.asarray(o, np.float32)
+            obs[g], r, term, trunc = groups[g][0].step(np.clip(res.actions, -1, 1))
             await stream.send(gids, obs[g], r, term, trunc)
     for envs, _ in groups:
         envs.close()
