@@ -11,7 +11,7 @@ import torch
 
 from edgerl.models import GaussianMLPPolicy, build_policy
 from edgerl.trainer.policies import Evaluation, GaussianTrainable, TrainablePolicy
-from edgerl.trainer.ppo import LossCoefs, ppo_loss
+from edgerl.trainer.ppo import LossCoefs
 from edgerl.trainer.steps import (
     AutogradStep,
     FlatAdam,
@@ -62,22 +62,8 @@ def _prepared(net: GaussianMLPPolicy, rng: np.random.Generator) -> GaussianTrain
 def _autograd(
     policy: GaussianTrainable, targets: Targets, coefs: LossCoefs
 ) -> tuple[float, dict[str, float], np.ndarray]:
-    t = torch.from_numpy
-    ev: Evaluation = policy.evaluate(torch.arange(K))
-    prox = targets.proximal_log_probs
-    loss, stats = ppo_loss(
-        new_log_probs=ev.log_probs,
-        behaviour_log_probs=t(targets.behaviour_log_probs),
-        advantages=t(targets.advantages),
-        new_values=ev.values,
-        old_values=t(targets.old_values),
-        returns=t(targets.returns),
-        entropy=ev.entropy,
-        policy_mask=t(targets.policy_mask),
-        value_mask=t(targets.value_mask),
-        coefs=coefs,
-        proximal_log_probs=None if prox is None else t(prox),
-    )
+    """Loss, stats and gradient vector of ``ppo_loss`` differentiated by torch."""
+    loss, stats = AutogradStep(policy, coefs, 1e-3, 0.5).loss(np.arange(K), targets, with_stats=True)
     policy.module.zero_grad()
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in policy.module.parameters() if p.grad is not None])

@@ -183,11 +183,14 @@ class AutogradStep(MinibatchStep):
         self.params = [p for p in policy.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.params, lr=learning_rate, eps=adam_eps, fused=True)
 
-    def step(self, idx: np.ndarray, targets: Targets, with_stats: bool = False) -> dict[str, float]:
+    def loss(
+        self, idx: np.ndarray, targets: Targets, with_stats: bool = False
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:func:`~edgerl.trainer.ppo.ppo_loss` of the policy on rows ``idx`` (with gradient)."""
         t = torch.from_numpy
         ev = self.policy.evaluate(t(idx))
         prox = targets.proximal_log_probs
-        loss, stats = ppo_loss(
+        return ppo_loss(
             new_log_probs=ev.log_probs,
             behaviour_log_probs=t(targets.behaviour_log_probs),
             advantages=t(targets.advantages),
@@ -201,6 +204,9 @@ class AutogradStep(MinibatchStep):
             proximal_log_probs=None if prox is None else t(prox),
             with_stats=with_stats,
         )
+
+    def step(self, idx: np.ndarray, targets: Targets, with_stats: bool = False) -> dict[str, float]:
+        loss, stats = self.loss(idx, targets, with_stats)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.max_grad_norm > 0:
