@@ -8,16 +8,15 @@ between two batches.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from edgerl.models import GaussianMLPPolicy
+from edgerl.models import LOG_2PI, GaussianMLPPolicy
 
-_LOG_2PI = np.float32(math.log(2.0 * math.pi))
+_LOG_2PI = np.float32(LOG_2PI)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ network definition from here, so a published ``state_dict`` always fits.
 """
 
 from edgerl.models.mlp import (
+    LOG_2PI,
     POLICY_PRESETS,
     GaussianMLPPolicy,
     RunningNorm,
@@ -12,4 +13,11 @@ from edgerl.models.mlp import (
     gaussian_log_prob,
 )
 
-__all__ = ["POLICY_PRESETS", "GaussianMLPPolicy", "RunningNorm", "build_policy", "gaussian_log_prob"]
+__all__ = [
+    "LOG_2PI",
+    "POLICY_PRESETS",
+    "GaussianMLPPolicy",
+    "RunningNorm",
+    "build_policy",
+    "gaussian_log_prob",
+]

@@ -24,7 +24,8 @@ POLICY_PRESETS: dict[str, tuple[int, ...]] = {
     "mlp-large": (768, 768, 768),
 }
 
-_LOG_2PI = math.log(2.0 * math.pi)
+#: log(2 pi), the Gaussian log-density's constant.
+LOG_2PI = math.log(2.0 * math.pi)
 
 
 class RunningNorm(nn.Module):
@@ -110,7 +111,7 @@ class GaussianMLPPolicy(nn.Module):
 def gaussian_log_prob(mean: torch.Tensor, log_std: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
     """Log-density of ``actions`` under N(mean, exp(log_std)^2), summed over the last dim."""
     z = (actions - mean) * torch.exp(-log_std)
-    return -0.5 * (z.pow(2) + _LOG_2PI).sum(-1) - log_std.sum(-1)
+    return -0.5 * (z.pow(2) + LOG_2PI).sum(-1) - log_std.sum(-1)
 
 
 def build_policy(

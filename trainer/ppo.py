@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_GAUSSIAN_ENTROPY_CONST = 0.5 * math.log(2.0 * math.pi * math.e)
+#: A unit Gaussian's entropy minus its log-std, per dimension.
+GAUSSIAN_ENTROPY_CONST = 0.5 * math.log(2.0 * math.pi * math.e)
 
 
 def gae(
@@ -118,7 +119,7 @@ def normalize_advantages(adv: np.ndarray, mask: np.ndarray, eps: float = 1e-8) -
 
 def gaussian_entropy(log_std: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of a diagonal Gaussian with the given log-stds (last dim summed)."""
-    return (log_std + _GAUSSIAN_ENTROPY_CONST).sum(-1)
+    return (log_std + GAUSSIAN_ENTROPY_CONST).sum(-1)
 
 
 @dataclass(frozen=True)

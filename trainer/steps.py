@@ -36,14 +36,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgerl.models import LOG_2PI
 from edgerl.trainer.policies import GaussianTrainable, TrainablePolicy
-from edgerl.trainer.ppo import LossCoefs, ppo_loss
+from edgerl.trainer.ppo import GAUSSIAN_ENTROPY_CONST, LossCoefs, ppo_loss
 
 #: ``update_backend`` choices (``TrainerConfig``).
 BACKENDS = ("auto", "autograd", "numpy")
-
-_LOG_2PI = math.log(2.0 * math.pi)
-_ENTROPY_CONST = 0.5 * math.log(2.0 * math.pi * math.e)
 
 
 class FlatParams:
@@ -296,7 +294,7 @@ class GaussianMLPStep(MinibatchStep):
         # Actor: log-probs of the taken actions, the clipped surrogate.
         mean = self.actor.forward(obs)
         z = (actions - mean) * inv_std
-        log_probs = -0.5 * (z * z + _LOG_2PI).sum(1) - log_std.sum()
+        log_probs = -0.5 * (z * z + LOG_2PI).sum(1) - log_std.sum()
         prox = tg.proximal_log_probs
         log_ratio = log_probs - (tg.behaviour_log_probs if prox is None else prox)
         ratio = np.exp(log_ratio)
@@ -321,7 +319,7 @@ class GaussianMLPStep(MinibatchStep):
         d_logp = -(row_w / p_count) * d_surr * adv * ratio
         # log_prob = -0.5 * sum(z^2) - sum(log_std) - const, with z = (a - mean) / std.
         self.actor.backward((d_logp[:, None] * z) * inv_std)
-        entropy = float(log_std.sum()) + _ENTROPY_CONST * log_std.size
+        entropy = float(log_std.sum()) + GAUSSIAN_ENTROPY_CONST * log_std.size
         np.matmul(d_logp, z * z - 1.0, out=self.log_std_grad)
         self.log_std_grad -= c.entropy_coef
 
