@@ -395,10 +395,20 @@ class WorkerFleet:
             self.episode_lengths.append(length)
         return new
 
-    def wait_started(self, timeout_s: float = 120.0) -> None:
-        """Block until every worker has stepped at least once."""
+    def worker_steps(self) -> list[int]:
+        """Env steps taken so far by each worker."""
+        return [int(s.value) for s in self._steps]
+
+    def wait_started(self, timeout_s: float = 120.0, *, every: bool = True) -> None:
+        """Block until every worker (``every=False``: any worker) has stepped at least once.
+
+        Against a server with admission control, wait for any worker only: the
+        first one up can fill the server's window before the others connect, and
+        then they step only once a trainer takes what is pending.
+        """
         deadline = time.monotonic() + timeout_s
-        while any(s.value == 0 for s in self._steps):
+        started = all if every else any
+        while not started(s.value > 0 for s in self._steps):
             if self.failed():
                 raise RuntimeError(f"sim worker exited with codes {self.failed()}")
             if time.monotonic() > deadline:

@@ -277,7 +277,9 @@ def run_training(
         )
         start_steps = trainer.state.env_steps
         with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, _StopFlag() as stop:
-            fleet.wait_started()
+            # Any worker, not every one: the first up may fill the server's window (admission
+            # control) before the others connect; they step once the trainer takes a batch.
+            fleet.wait_started(every=False)
             t0 = time.monotonic()
             bar = tqdm(
                 total=cfg.steps,
@@ -320,6 +322,7 @@ def run_training(
         "total_s": round(time.monotonic() - t_start, 2),
         "steps_per_s": round(learned / wall, 1) if wall > 0 else 0.0,
         "episodes": len(returns),
+        "worker_steps": fleet.worker_steps(),
         "return_first20": round(statistics.fmean(returns[:20]), 2) if returns else None,
         "return_last20": round(statistics.fmean(returns[-20:]), 2) if returns else None,
         "stale_fraction": round(state.masked_stale / max(1, state.env_steps), 5),

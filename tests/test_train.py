@@ -51,6 +51,16 @@ def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> N
     assert config["ppo"]["batch_steps"] == config["envs"] * config["segment_steps"]
 
 
+def test_workers_that_start_late_still_join_a_full_window(tmp_path: Path) -> None:
+    # A window of 8 steps: the first worker up fills it in 4 steps of its 2 envs, long before
+    # the second has spawned and built its envs; the second must join once updates drain it.
+    args = ["--envs", "4", "--workers", "2", "--set", "groups=1", "--segment-steps", "2", "--steps", "2000"]
+    for mode in ([], ["--sync"]):
+        summary = _train([*args, *mode, "--run-dir", str(tmp_path / f"run{len(mode)}")], tmp_path, "late")
+        assert summary["env_steps"] >= 2000 and len(summary["worker_steps"]) == 2
+        assert min(summary["worker_steps"]) > 0, summary["worker_steps"]
+
+
 def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> None:
     run_dir = str(tmp_path / "run")
     common = ["--sync", "--envs", "8", "--segment-steps", "16", "--run-dir", run_dir]
