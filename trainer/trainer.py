@@ -90,7 +90,7 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     update_backend: str = "auto"
     """How gradient steps are computed: ``autograd`` (torch, any policy), ``numpy`` (hand-written
-    gradients of the Gaussian MLP, same arithmetic, ~7x faster on small networks), ``auto``
+    gradients of the Gaussian MLP, same arithmetic, ~5x faster on small networks), ``auto``
     (numpy where the policy allows)."""
     torch_threads: int = 1
     seed: int = 0
