@@ -63,6 +63,24 @@ class PolicySpec:
 LLM_PRESET = "llm"
 
 
+def build_mlp(policy: PolicySpec, spec: Any) -> Any:
+    """The fresh :class:`~edgerl.models.GaussianMLPPolicy` of ``policy`` for the env ``spec``.
+
+    The server and the trainer both build their initial weights here, so they agree.
+    """
+    from edgerl.models import build_policy
+
+    if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
+        raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
+    return build_policy(
+        policy.preset,
+        spec.obs_shape[0],
+        spec.act_shape[0] * policy.chunk,
+        seed=policy.seed,
+        log_std_init=policy.log_std_init,
+    )
+
+
 def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
     """The policy backend ``policy`` names and the env's spaces (``EnvSpec``).
 
@@ -73,7 +91,6 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
     import torch
 
     from edgerl.edge_server.policy import TorchPolicyBackend
-    from edgerl.models import build_policy
     from edgerl.sim.envs import env_spec
 
     torch.set_num_threads(policy.torch_threads)
@@ -93,15 +110,7 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
             weights = {k: v.numpy() for k, v in served_weights(payload["policy"]).items()}
             llm.load_weights(weights, int(payload["state"]["version"]))
         return llm, spec
-    if len(spec.obs_shape) != 1 or len(spec.act_shape) != 1:
-        raise ValueError(f"{policy.env_name}: the MLP policy needs flat observations and actions")
-    net = build_policy(
-        policy.preset,
-        spec.obs_shape[0],
-        spec.act_shape[0] * policy.chunk,
-        seed=policy.seed,
-        log_std_init=policy.log_std_init,
-    )
+    net = build_mlp(policy, spec)
     version = 0
     if policy.checkpoint:
         payload = _load_checkpoint(policy.checkpoint, "mlp")

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch.processes import LLM_PRESET, PolicySpec, ServerProcess, WorkerFleet
+from edgerl.launch.processes import LLM_PRESET, PolicySpec, ServerProcess, WorkerFleet, build_mlp
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.trainer import TrainerConfig
 
@@ -220,7 +220,6 @@ def run_training(
     """Run one training job; returns its summary (also written to ``summary.json``)."""
     import torch
 
-    from edgerl.models import build_policy
     from edgerl.sim.envs import env_spec
     from edgerl.trainer.trainer import Trainer, latest_checkpoint
 
@@ -233,18 +232,11 @@ def run_training(
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     spec = env_spec(cfg.env)
     torch.set_num_threads(cfg.ppo.torch_threads)
-    net: Any
     model = cfg.model
     if cfg.policy == LLM_PRESET:
         from edgerl.models.llm import tiny_llm
-        from edgerl.models.llm_actor_critic import load_llm_actor_critic
 
         model = model or str(tiny_llm(cfg.seed))
-        net = load_llm_actor_critic(model, spec.act_low, spec.act_high)
-    else:
-        net = build_policy(
-            cfg.policy, spec.obs_shape[0], spec.act_shape[0], seed=cfg.seed, log_std_init=cfg.log_std_init
-        )
     policy_spec = PolicySpec(
         env_name=cfg.env,
         preset=cfg.policy,
@@ -254,6 +246,13 @@ def run_training(
         model=model,
         log_std_init=cfg.log_std_init,
     )
+    net: Any
+    if cfg.policy == LLM_PRESET:
+        from edgerl.models.llm_actor_critic import load_llm_actor_critic
+
+        net = load_llm_actor_critic(model, spec.act_low, spec.act_high)
+    else:
+        net = build_mlp(policy_spec, spec)  # the server builds its version 0 the same way
     batch = cfg.batch_steps
     learner = TransitionConfig(
         segment_steps=cfg.segment_steps,

@@ -308,14 +308,10 @@ class GaussianMLPStep(MinibatchStep):
             row_w = pm * np.minimum(np.exp(prox - tg.behaviour_log_probs), c.is_cap)
         pg_loss = -float((np.minimum(unclipped_obj, clipped_obj) * row_w).sum()) / p_count
         # d(surrogate)/d(ratio * A): torch's min sends half the gradient to each side on
-        # ties and clamp passes it on [lo, hi]. Inside the clip range both sides are
-        # equal, so a row gets all of it or (outside the range, on the clipped side) none.
-        in_range = (ratio >= 1.0 - c.clip) & (ratio <= 1.0 + c.clip)
-        d_surr = np.where(
-            unclipped_obj < clipped_obj,
-            np.float32(1.0),
-            np.where(unclipped_obj == clipped_obj, np.where(in_range, 1.0, 0.5), 0.0).astype(np.float32),
-        )
+        # ties and clamp passes it on [lo, hi]. Inside the clip range the two sides are
+        # equal and their halves add up to all of it; outside it they tie only where
+        # A = 0, whose gradient is 0 either way. So: all where r*A <= clip(r)*A, else none.
+        d_surr = unclipped_obj <= clipped_obj
         d_logp = -(row_w / p_count) * d_surr * adv * ratio
         # log_prob = -0.5 * sum(z^2) - sum(log_std) - const, with z = (a - mean) / std.
         self.actor.backward((d_logp[:, None] * z) * inv_std)
@@ -365,6 +361,12 @@ class GaussianMLPStep(MinibatchStep):
         return stats
 
 
+def check_backend(backend: str) -> None:
+    """Raise ValueError unless ``backend`` is one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"update_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def minibatch_step(
     policy: TrainablePolicy,
     coefs: LossCoefs,
@@ -375,8 +377,7 @@ def minibatch_step(
 ) -> MinibatchStep:
     """The step for ``policy`` by ``backend``: ``numpy`` (Gaussian MLPs only), ``autograd``, or
     ``auto`` (numpy where the policy allows)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"update_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    check_backend(backend)
     if isinstance(policy, GaussianTrainable) and backend in ("auto", "numpy"):
         return GaussianMLPStep(policy, coefs, learning_rate, max_grad_norm)
     if backend == "numpy":

@@ -36,7 +36,7 @@ from edgerl.trainer.feed import TransitionFeed, learner_channel, publish_weights
 from edgerl.trainer.policies import TrainablePolicy, trainable
 from edgerl.trainer.ppo import LossCoefs, gae, group_advantages, normalize_advantages, segment_positions
 from edgerl.trainer.segments import Batch, EpisodeTracker, RewardScaler, assemble
-from edgerl.trainer.steps import BACKENDS, Targets, minibatch_step
+from edgerl.trainer.steps import Targets, check_backend, minibatch_step
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,7 @@ class TrainerConfig:
             raise ValueError(f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}")
         if self.learning_rate <= 0 or self.clip <= 0:
             raise ValueError("learning_rate and clip must be > 0")
-        if self.update_backend not in BACKENDS:
-            raise ValueError(
-                f"update_backend must be one of {', '.join(BACKENDS)}, got {self.update_backend!r}"
-            )
+        check_backend(self.update_backend)
 
 
 class MetricsLog:
@@ -195,7 +192,6 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             backend=cfg.update_backend,
         )
-        self.optimizer = self.minibatch_step.optimizer
         if resume:
             path = latest_checkpoint(self.run_dir)
             if path is None:
@@ -205,6 +201,11 @@ class Trainer:
         self.feed: TransitionFeed | None = None
         self._channel: grpc.Channel | None = None
         self.history: list[dict[str, float]] = []
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimiser of the minibatch step (torch's Adam, or :class:`~edgerl.trainer.steps.FlatAdam`)."""
+        return self.minibatch_step.optimizer
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(
