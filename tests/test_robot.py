@@ -143,7 +143,10 @@ def test_small_injected_latency_is_absorbed() -> None:
     with ServerThread(EchoPolicy(3, 2)) as srv:
         cfg = _config(srv.address, faults=LinkFaults(delay_ms=5.0, jitter_ms=5.0))
         (s,) = _run(RobotHost([robot], cfg), 1.0)
-    assert s["fallbacks"] <= 2
+    # 5-10 ms of delay inside a 20 ms deadline: no tick falls back for it. Allowed: the first
+    # tick (nothing to apply yet) and a stall or two of a shared 2-core CI machine (3 were seen
+    # once in 50 ticks); a delay counted as a miss would make most of the 50 ticks fall back.
+    assert s["ticks"] >= 40 and s["fallbacks"] <= 4, s
     assert 5.0 <= s["latency_ms_p50"] <= 19.0
 
 
