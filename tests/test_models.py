@@ -1,11 +1,12 @@
 """The torch policy: normaliser statistics, log-densities, served log-probs."""
 
 import numpy as np
+import pytest
 import torch
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.processes import PolicySpec, build_backend
-from edgerl.models import RunningNorm, build_policy, gaussian_log_prob
+from edgerl.models import GaussianMLPPolicy, RunningNorm, build_policy, gaussian_log_prob
 
 
 def test_running_norm_matches_numpy_over_batches() -> None:
@@ -40,6 +41,49 @@ def test_served_log_probs_are_those_of_the_served_actions() -> None:
         recomputed = gaussian_log_prob(mean, log_std, torch.from_numpy(out.actions)).numpy()
     np.testing.assert_allclose(out.log_probs, recomputed, atol=1e-4)
     assert out.actions.dtype == np.float32 and out.log_probs.dtype == np.float32
+
+
+def _module_mean_and_value(policy: GaussianMLPPolicy, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with torch.no_grad():
+        mean, _ = policy.distribution(torch.from_numpy(obs))
+        return mean.numpy(), policy.value(torch.from_numpy(obs)).numpy()
+
+
+def test_the_served_forward_pass_is_the_modules() -> None:
+    rng = np.random.default_rng(2)
+    policy = build_policy("mlp-small", 5, 4, seed=2)
+    policy.obs_norm.update(torch.from_numpy(rng.normal(3.0, 2.0, size=(500, 5)).astype(np.float32)))
+    backend = TorchPolicyBackend(policy, -np.ones(2), np.ones(2), compute_values=True, chunk=2)
+    obs = rng.normal(3.0, 20.0, size=(16, 5)).astype(np.float32)  # some rows hit the normaliser's clip
+    out = backend.infer(obs)
+    mean, value = _module_mean_and_value(policy, obs)
+    assert out.values is not None
+    np.testing.assert_allclose(out.values, value, rtol=1e-5, atol=1e-5)
+    # actions = mean + std * noise with std 1: the mean is recovered from the log-prob's noise term
+    noise = out.actions.reshape(16, 4) - mean
+    np.testing.assert_allclose(out.log_probs, -0.5 * (noise**2 + np.log(2 * np.pi)).sum(-1), rtol=1e-4)
+    assert out.actions.shape == (16, 2, 2)
+
+
+def test_a_weight_swap_changes_the_served_forward_pass() -> None:
+    obs = np.random.default_rng(3).normal(size=(8, 5)).astype(np.float32)
+    backend = TorchPolicyBackend(
+        build_policy("mlp-small", 5, 2, seed=0), -np.ones(2), np.ones(2), compute_values=True
+    )
+    other = build_policy("mlp-small", 5, 2, seed=1)
+    before = backend.infer(obs).values
+    backend.load_weights({k: v.numpy() for k, v in other.state_dict().items()}, version=1)
+    after = backend.infer(obs).values
+    assert before is not None and after is not None
+    np.testing.assert_allclose(after, _module_mean_and_value(other, obs)[1], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(before, after)
+
+
+def test_a_layer_the_server_cannot_run_is_refused() -> None:
+    policy = build_policy("mlp-small", 5, 2)
+    policy.actor_mean[1] = torch.nn.ReLU()
+    with pytest.raises(TypeError, match="ReLU"):
+        TorchPolicyBackend(policy, -np.ones(2), np.ones(2))
 
 
 def test_log_std_init_is_the_servers_and_the_trainers_initial_noise() -> None:
