@@ -8,6 +8,8 @@ surfacing later as a reshape error.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -84,7 +86,7 @@ def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
     shape = tuple(msg.shape)
     if any(d < 0 for d in shape):
         raise TensorError(f"{field}.shape", f"negative dimension in {list(shape)}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = math.prod(shape) * dtype.itemsize  # (Python ints: no overflow, and no numpy call)
     if len(msg.data) != expected:
         raise TensorError(
             f"{field}.data",

@@ -158,6 +158,8 @@ class ActStream:
         write, self._write = self._write, None
         if write is None:
             return
+        if write.done() and not write.cancelled() and write.exception() is None:
+            return  # the usual case: the transport took the message while the caller worked
         try:
             async with asyncio.timeout(self.timeout_s):
                 await write
