@@ -1,6 +1,10 @@
 """``edgerl bench robot``: many MuJoCo robots behind watchdogs against one edge server.
 
-Robot processes (each one control thread and one network thread, see
+First, unless ``baseline_s`` is 0, the robots of one process are stepped by a
+plain sleep-until-due loop with no watchdog, no gRPC and no server: its tick
+lateness is what the machine itself allows in that moment (a virtual machine
+whose CPU is taken away now and then shows it here), measured in the same run
+as the figures it qualifies. Then robot processes (each one control thread and one network thread, see
 ``edgerl.robot_client.runner``) drive ``robots`` real-time MuJoCo robots at
 ``hz``. After a warm-up the counters are zeroed and the steady state is
 measured; then, unless ``kill_server_s`` is 0, the server is killed
@@ -66,6 +70,8 @@ class BenchRobotConfig:
     warmup_s: float = 3.0
     duration_s: float = 20.0
     """Steady-state measurement (seconds)."""
+    baseline_s: float = 5.0
+    """First step one process's robots in a plain loop (no watchdog, no gRPC) this long; 0: skip."""
     sync_loop_s: float = 5.0
     """Also run one robot in a synchronous loop (wait for each action) this long; 0: skip."""
     kill_server_s: float = 2.0
@@ -88,8 +94,8 @@ class BenchRobotConfig:
     def __post_init__(self) -> None:
         if self.robots < 1 or not 1 <= self.processes <= self.robots:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
-        if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0:
-            raise ValueError("need duration_s > 0, warmup_s >= 0 and kill_server_s >= 0")
+        if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0 or self.baseline_s < 0:
+            raise ValueError("need duration_s > 0, and warmup_s, kill_server_s and baseline_s >= 0")
 
 
 def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:
@@ -227,6 +233,10 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
 def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready report."""
     configure_logging(cfg.log_level)
+    baseline = None
+    if cfg.baseline_s > 0:
+        progress(f"baseline: {cfg.robots // cfg.processes} robots in a plain loop for {cfg.baseline_s:g}s")
+        baseline = baseline_loop(cfg)
     policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model)
     server = ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level
@@ -255,6 +265,8 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
             "steady": steady,
             "control_loops_healthy": healthy,
         }
+        if baseline is not None:
+            report["baseline_loop"] = baseline
         if cfg.sync_loop_s > 0:
             progress(f"a synchronous control loop with the same policy for {cfg.sync_loop_s:g}s")
             report["sync_loop"] = sync_loop(cfg, address)
@@ -266,6 +278,49 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         fleet.stop()
         server.stop()
         spare.stop()
+
+
+def baseline_loop(cfg: BenchRobotConfig) -> dict[str, Any]:
+    """One process's robots stepped at ``hz`` by a plain loop: no watchdog, no gRPC, no server.
+
+    The robots are ticked in the same slots as in a robot process (``robots_per_slot``
+    back to back, the slots spread over the period), each with its safe action; a
+    tick's lateness is the time from its due time to the start of its step, as the
+    watchdog counts it. The machine's own stalls show up here.
+    """
+    from edgerl.sim.robot import MujocoRobot
+
+    count = cfg.robots // cfg.processes
+    robots = [MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed + i, name=f"baseline-{i}") for i in range(count)]
+    slots = [robots[i : i + cfg.robots_per_slot] for i in range(0, count, cfg.robots_per_slot)]
+    actions = [r.safe_action() for r in robots]
+    period = 1.0 / cfg.hz
+    late: list[float] = []
+    try:
+        start = time.monotonic() + period
+        k = 0
+        while (due := start + k * period / len(slots)) < start + cfg.baseline_s:
+            while (left := due - time.monotonic()) > 0:
+                time.sleep(left)
+            base = (k % len(slots)) * cfg.robots_per_slot
+            for j, robot in enumerate(slots[k % len(slots)]):
+                late.append(time.monotonic() - due)
+                robot.apply(actions[base + j])
+                if robot.read().terminated or robot.read().truncated:
+                    robot.reset()
+            k += 1
+    finally:
+        for r in robots:
+            r.close()
+    jitter = np.asarray(late)
+    return {
+        "robots": count,
+        "tick_jitter_ms_p50": _pct(jitter, 50),
+        "tick_jitter_ms_p99": _pct(jitter, 99),
+        "tick_jitter_ms_max": float(jitter.max() * 1e3) if len(jitter) else math.nan,
+        "ticks": len(jitter),
+        "seconds": cfg.baseline_s,
+    }
 
 
 def sync_loop(cfg: BenchRobotConfig, address: str) -> dict[str, Any]:

@@ -244,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sync-loop-s", type=float, default=5.0, help="also time a synchronous control loop (0: skip)"
     )
+    p.add_argument(
+        "--baseline-s",
+        type=float,
+        default=5.0,
+        help="first time the robots in a plain loop without watchdog or gRPC: the machine's own "
+        "tick jitter (0: skip)",
+    )
     p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
     robot_cli.add_fault_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the robots and the policy")
@@ -544,6 +551,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
         warmup_s=a.warmup_s,
         duration_s=a.seconds,
         sync_loop_s=a.sync_loop_s,
+        baseline_s=a.baseline_s,
         kill_server_s=a.kill_server_s,
         delay_ms=a.delay_ms,
         jitter_ms=a.jitter_ms,

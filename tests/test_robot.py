@@ -238,7 +238,8 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     out = tmp_path / "robot.json"
     code = main(
         ["bench", "robot", "--robots", "4", "--hz", "50", "--policy", "mlp-small", "--warmup-s", "1",
-         "--seconds", "2", "--sync-loop-s", "1", "--kill-server-s", "1", "--json", str(out)]
+         "--seconds", "2", "--sync-loop-s", "1", "--kill-server-s", "1", "--baseline-s", "0.5",
+         "--json", str(out)]
     )  # fmt: skip
     assert code == 0
     r = json.loads(out.read_text())
@@ -251,6 +252,9 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     assert o["robots_estopped"] == 0 and o["robots_resumed"] == 4
     assert o["max_consecutive_fallbacks"] >= 0.9 * o["killed_for_s"] * 50
     assert r["sync_loop"]["control_hz"] > 0
+    b = r["baseline_loop"]  # 4 robots in one slot, 25 slots in 0.5 s
+    assert b["robots"] == 4 and 96 <= b["ticks"] <= 104
+    assert 0.0 <= b["tick_jitter_ms_p50"] <= b["tick_jitter_ms_p99"] <= b["tick_jitter_ms_max"]
 
 
 def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
