@@ -211,7 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workers", type=int, default=DEFAULT_WORKERS, help="sim worker processes in async_stream"
     )
-    p.add_argument("--groups", type=int, default=2, help="env groups per worker in async_stream")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=0,
+        help="env groups per worker in async_stream (0: 1 for --policy llm, whose batch of all "
+        "envs costs less than two halves, else 2: double-buffered)",
+    )
     p.add_argument(
         "--max-delay-us",
         type=int,

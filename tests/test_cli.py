@@ -75,6 +75,17 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == result
     for mode in ("sync_inprocess", "sync_unary", "async_stream"):
         assert result[mode] > 0
+    assert result["config"]["groups"] == 2  # the MLP's default: double-buffered
     assert result["ratios"]["async_stream/sync_unary"] == pytest.approx(
         result["async_stream"] / result["sync_unary"], rel=1e-2
     )
+
+
+def test_bench_throughput_batches_all_envs_of_a_worker_for_the_llm_policy() -> None:
+    from edgerl.launch.bench_throughput import ThroughputConfig
+
+    assert ThroughputConfig(policy="llm").groups == 1
+    assert ThroughputConfig(policy="mlp").groups == 2
+    assert ThroughputConfig(policy="llm", groups=2).groups == 2
+    with pytest.raises(ValueError, match="groups"):
+        ThroughputConfig(groups=-1)
