@@ -29,6 +29,8 @@ from typing import Any
 
 import grpc
 
+from edgerl.proto.pem import read_pem_files
+
 log = logging.getLogger(__name__)
 
 ROLES = ("robot", "trainer")
@@ -83,13 +85,7 @@ def server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerC
     Raises:
         ValueError: a file is missing (the message names the option).
     """
-    pems = {}
-    for field, path in (("tls_cert", cert), ("tls_key", key), ("tls_client_ca", client_ca)):
-        if path:
-            try:
-                pems[field] = Path(path).read_bytes()
-            except FileNotFoundError:
-                raise ValueError(f"{field}: no file {path}") from None
+    pems = read_pem_files({"tls_cert": cert, "tls_key": key, "tls_client_ca": client_ca})
     return grpc.ssl_server_credentials(
         [(pems["tls_key"], pems["tls_cert"])],
         root_certificates=pems.get("tls_client_ca"),

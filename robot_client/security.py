@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
+
+from edgerl.proto.pem import read_pem_files
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +57,7 @@ class ClientSecurity:
         Raises:
             ValueError: a file is missing (the message names the field).
         """
-        pems: dict[str, bytes] = {}
-        for field, path in (("ca", self.ca), ("cert", self.cert), ("key", self.key)):
-            if path:
-                try:
-                    pems[field] = Path(path).read_bytes()
-                except FileNotFoundError:
-                    raise ValueError(f"tls {field}: no file {path}") from None
+        pems = read_pem_files({"ca": self.ca, "cert": self.cert, "key": self.key}, label="tls {}")
         return grpc.ssl_channel_credentials(
             root_certificates=pems.get("ca"), private_key=pems.get("key"), certificate_chain=pems.get("cert")
         )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgerl.edge_server.auth import load_tokens
+from edgerl.edge_server.auth import load_tokens, server_credentials
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -162,4 +162,8 @@ def test_tls_settings_are_checked() -> None:
 def test_missing_tls_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tls ca: no file"):
         ClientSecurity(ca=str(tmp_path / "nope.pem")).channel_credentials()
+    key = tmp_path / "server.key"
+    key.write_text("not checked before the certificate is found")
+    with pytest.raises(ValueError, match="tls_cert: no file"):
+        server_credentials(str(tmp_path / "nope.pem"), str(key))
     asyncio.set_event_loop(None)
