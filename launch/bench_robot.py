@@ -4,13 +4,13 @@ First, unless ``baseline_s`` is 0, the robots of one process are stepped by a
 plain sleep-until-due loop with no watchdog, no gRPC and no server: its tick
 lateness is what the machine itself allows in that moment (a virtual machine
 whose CPU is taken away now and then shows it here), measured in the same run
-as the figures it qualifies. Then robot processes (each one control thread and one network thread, see
-``edgerl.robot_client.runner``) drive ``robots`` real-time MuJoCo robots at
-``hz``. After a warm-up the counters are zeroed and the steady state is
-measured; then, unless ``kill_server_s`` is 0, the server is killed
-(SIGKILL) for that long and restarted on the same port, and the report says
-whether every robot kept its rate, fell back, e-stopped only past
-``estop_after`` and resumed policy actions.
+as the figures it qualifies. Then robot processes (each one control thread that
+also serves the stream between slots, see ``edgerl.robot_client.runner``) drive
+``robots`` real-time MuJoCo robots at ``hz``. After a warm-up the counters
+are zeroed and the steady state is measured; then, unless ``kill_server_s``
+is 0, the server is killed (SIGKILL) for that long and restarted on the same
+port, and the report says whether every robot kept its rate, fell back,
+e-stopped only past ``estop_after`` and resumed policy actions.
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ def baseline_loop(cfg: BenchRobotConfig) -> dict[str, Any]:
             for j, robot in enumerate(slots[k % len(slots)]):
                 late.append(time.monotonic() - due)
                 robot.apply(actions[base + j])
-                if robot.read().terminated or robot.read().truncated:
+                reading = robot.read()
+                if reading.terminated or reading.truncated:
                     robot.reset()
             k += 1
     finally:
