@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgerl.models import LOG_2PI, GaussianMLPPolicy
+from edgerl.models import LOG_2PI, GaussianMLPPolicy, mlp_linears
 
 _LOG_2PI = np.float32(LOG_2PI)
 
@@ -135,13 +135,13 @@ class TorchPolicyBackend(PolicyBackend):
         self.version = version
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
-        mean, values = self._served.forward(obs)
-        log_std = self._served.log_std
+        served = self._served
+        mean, values = served.forward(obs)
         # Sampling runs in numpy, which costs a few microseconds per op on these
         # small arrays instead of tens.
         noise = self._rng.standard_normal(mean.shape, dtype=np.float32)
-        actions = mean + noise * np.exp(log_std)
-        log_probs = -0.5 * (noise * noise + _LOG_2PI).sum(-1) - log_std.sum()
+        actions = mean + noise * served.std
+        log_probs = -0.5 * (noise * noise + _LOG_2PI).sum(-1) - served.log_std_sum
         if self.chunk > 1:
             actions = actions.reshape(len(obs), self.chunk, *self.act_shape)
         return PolicyResult(
@@ -168,29 +168,23 @@ class _ServedMLP:
         self.obs_mean = norm.mean.detach().numpy().astype(np.float32, copy=True)
         self.obs_std = np.sqrt(norm.var.detach().numpy() + norm.eps).astype(np.float32)
         self.obs_clip = np.float32(norm.clip)
-        self.log_std = policy.actor_log_std.detach().numpy().astype(np.float32, copy=True)
+        log_std = policy.actor_log_std.detach().numpy().astype(np.float32, copy=True)
+        # Fixed between weight swaps: computed here, not for every batch.
+        self.std = np.exp(log_std)
+        self.log_std_sum = log_std.sum()
         self.actor = self._layers(policy.actor_mean)
         self.critic = self._layers(policy.critic) if with_critic else None
 
     @staticmethod
-    def _layers(seq: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-        layers: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
-        for module in seq.children():
-            if isinstance(module, nn.Linear):
-                weight = module.weight.detach().t().contiguous()
-                layers.append((weight, module.bias.detach().clone(), False))
-            elif isinstance(module, nn.Tanh) and layers:
-                weight, bias, _ = layers[-1]
-                layers[-1] = (weight, bias, True)
-            else:
-                raise TypeError(f"cannot serve a {type(module).__name__} layer (Linear and Tanh only)")
-        return layers
+    def _layers(seq: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight ``[in, out]``, bias) of each layer; a tanh follows every layer but the last."""
+        return [(m.weight.detach().t().contiguous(), m.bias.detach().clone()) for m in mlp_linears(seq)]
 
     @staticmethod
-    def _run(layers: list[tuple[torch.Tensor, torch.Tensor, bool]], x: torch.Tensor) -> np.ndarray:
-        for weight, bias, tanh in layers:
+    def _run(layers: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> np.ndarray:
+        for i, (weight, bias) in enumerate(layers):
             x = torch.addmm(bias, x, weight)
-            if tanh:
+            if i < len(layers) - 1:
                 x.tanh_()
         return x.numpy()
 

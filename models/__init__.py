@@ -11,6 +11,7 @@ from edgerl.models.mlp import (
     RunningNorm,
     build_policy,
     gaussian_log_prob,
+    mlp_linears,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "RunningNorm",
     "build_policy",
     "gaussian_log_prob",
+    "mlp_linears",
 ]

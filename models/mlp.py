@@ -67,6 +67,25 @@ class RunningNorm(nn.Module):
         self.count.copy_(total)
 
 
+def mlp_linears(seq: nn.Module) -> list[nn.Linear]:
+    """The Linear layers of an MLP as :func:`_mlp` builds it: Linear, Tanh, ..., Tanh, Linear.
+
+    Code that runs the network without its ``forward`` (the server's served copy, the
+    trainer's numpy gradients) relies on that shape: a tanh after every layer but the last.
+
+    Raises:
+        TypeError: ``seq`` has another layer or another order (the message names it).
+    """
+    children = list(seq.children())
+    for i, m in enumerate(children):
+        expected = nn.Linear if i % 2 == 0 else nn.Tanh
+        if not isinstance(m, expected):
+            raise TypeError(f"layer {i} is a {type(m).__name__}: expected Linear layers with Tanh between")
+    if not children or len(children) % 2 == 0:
+        raise TypeError("an MLP ends with a Linear layer")
+    return [m for m in children if isinstance(m, nn.Linear)]
+
+
 def _mlp(sizes: Sequence[int], out_gain: float) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(itertools.pairwise(sizes)):

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgerl.models import LOG_2PI
+from edgerl.models import LOG_2PI, mlp_linears
 from edgerl.trainer.policies import GaussianTrainable, TrainablePolicy
 from edgerl.trainer.ppo import GAUSSIAN_ENTROPY_CONST, LossCoefs, ppo_loss
 
@@ -217,9 +217,7 @@ class _Net:
     """Forward and backward of one tanh MLP whose weights are views of the flat vectors."""
 
     def __init__(self, seq: nn.Sequential, flat: FlatParams) -> None:
-        linears = [m for m in seq if isinstance(m, nn.Linear)]
-        if len(linears) != sum(1 for m in seq if not isinstance(m, nn.Tanh)):
-            raise TypeError("expected an MLP of Linear and Tanh layers")
+        linears = mlp_linears(seq)
         self.weights = [flat.view(m.weight) for m in linears]
         self.biases = [flat.view(m.bias) for m in linears]
         self.weight_grads = [flat.grad_view(m.weight) for m in linears]
