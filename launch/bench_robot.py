@@ -289,11 +289,13 @@ def baseline_loop(cfg: BenchRobotConfig) -> dict[str, Any]:
     watchdog counts it. The machine's own stalls show up here.
     """
     from edgerl.sim.robot import MujocoRobot
+    from edgerl.watchdog.loop import slot_index
 
     count = cfg.robots // cfg.processes
     robots = [MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed + i, name=f"baseline-{i}") for i in range(count)]
-    slots = [robots[i : i + cfg.robots_per_slot] for i in range(0, count, cfg.robots_per_slot)]
-    actions = [r.safe_action() for r in robots]
+    slots: list[list[Any]] = [[] for _ in range(math.ceil(count / cfg.robots_per_slot))]
+    for i, robot in enumerate(robots):
+        slots[slot_index(i, count, len(slots))].append((robot, robot.safe_action()))
     period = 1.0 / cfg.hz
     late: list[float] = []
     try:
@@ -302,10 +304,9 @@ def baseline_loop(cfg: BenchRobotConfig) -> dict[str, Any]:
         while (due := start + k * period / len(slots)) < start + cfg.baseline_s:
             while (left := due - time.monotonic()) > 0:
                 time.sleep(left)
-            base = (k % len(slots)) * cfg.robots_per_slot
-            for j, robot in enumerate(slots[k % len(slots)]):
+            for robot, action in slots[k % len(slots)]:
                 late.append(time.monotonic() - due)
-                robot.apply(actions[base + j])
+                robot.apply(action)
                 reading = robot.read()
                 if reading.terminated or reading.truncated:
                     robot.reset()

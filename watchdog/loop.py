@@ -24,6 +24,12 @@ class _Due:
     dog: Watchdog = field(compare=False)
 
 
+def slot_index(i: int, n: int, slots: int) -> int:
+    """The slot (0 to ``slots - 1``) of member ``i`` of ``n``: the slots share the members evenly
+    and start at even offsets over the period."""
+    return i * slots // n
+
+
 class ControlLoop:
     """One thread that ticks one or more watchdogs, each on its own absolute schedule.
 
@@ -98,7 +104,7 @@ class ControlLoop:
         n = len(self.watchdogs)
         heap = []
         for i, dog in enumerate(self.watchdogs):
-            t0 = start + (i * self.slots // n) * dog.config.period_s / self.slots
+            t0 = start + slot_index(i, n, self.slots) * dog.config.period_s / self.slots
             k = dog.next_tick_index
             heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
