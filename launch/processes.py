@@ -81,6 +81,13 @@ def build_mlp(policy: PolicySpec, spec: Any) -> Any:
     )
 
 
+def llm_model_dir(policy: PolicySpec) -> str:
+    """The model folder of an ``llm`` policy: ``policy.model``, or the small random Llama of its seed."""
+    from edgerl.models.llm import tiny_llm
+
+    return policy.model or str(tiny_llm(policy.seed))
+
+
 def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
     """The policy backend ``policy`` names and the env's spaces (``EnvSpec``).
 
@@ -97,9 +104,8 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
     spec = env_spec(policy.env_name)
     if policy.preset == LLM_PRESET:
         from edgerl.edge_server.llm_policy import VLLMPolicyBackend
-        from edgerl.models.llm import tiny_llm
 
-        model = policy.model or str(tiny_llm(policy.seed))
+        model = llm_model_dir(policy)
         llm = VLLMPolicyBackend(
             model, spec.obs_shape, spec.act_low, spec.act_high, chunk=policy.chunk, seed=policy.seed
         )

@@ -26,7 +26,14 @@ from tqdm import tqdm
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch.processes import LLM_PRESET, PolicySpec, ServerProcess, WorkerFleet, build_mlp
+from edgerl.launch.processes import (
+    LLM_PRESET,
+    PolicySpec,
+    ServerProcess,
+    WorkerFleet,
+    build_mlp,
+    llm_model_dir,
+)
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.trainer import TrainerConfig
 
@@ -237,25 +244,21 @@ def run_training(
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     spec = env_spec(cfg.env)
     torch.set_num_threads(cfg.ppo.torch_threads)
-    model = cfg.model
-    if cfg.policy == LLM_PRESET:
-        from edgerl.models.llm import tiny_llm
-
-        model = model or str(tiny_llm(cfg.seed))
     policy_spec = PolicySpec(
         env_name=cfg.env,
         preset=cfg.policy,
         seed=cfg.seed,
         compute_values=True,
         checkpoint=str(checkpoint or ""),
-        model=model,
+        model=cfg.model,
         log_std_init=cfg.log_std_init,
     )
     net: Any
     if cfg.policy == LLM_PRESET:
         from edgerl.models.llm_actor_critic import load_llm_actor_critic
 
-        net = load_llm_actor_critic(model, spec.act_low, spec.act_high)
+        policy_spec = dataclasses.replace(policy_spec, model=llm_model_dir(policy_spec))
+        net = load_llm_actor_critic(policy_spec.model, spec.act_low, spec.act_high)
     else:
         net = build_mlp(policy_spec, spec)  # the server builds its version 0 the same way
     batch = cfg.batch_steps
