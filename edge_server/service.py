@@ -186,12 +186,12 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         truncated=np.asarray(step.truncated, bool),
                         fallback=fallback,
                     )
-                    if not store.try_admit(n) and slots is not None:
+                    if not store.try_admit(handle, ids) and slots is not None:
                         # Wait for admission off the read path: the stream's other messages
                         # must still be read (they complete rows the trainer is waiting for).
                         self.batcher.hold(slots)
                         task = asyncio.get_running_loop().create_task(
-                            self._admit_and_submit(store, n, obs, slots)
+                            self._admit_and_submit(store, handle, ids, obs, slots)
                         )
                         out.put_nowait(_Pending(seq, env_ids, task, handle, ids))
                         seq += 1
@@ -225,10 +225,15 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 self.batcher.close_stream(slots)
 
     async def _admit_and_submit(
-        self, store: TransitionStore, rows: int, obs: np.ndarray, slots: StreamSlots
+        self,
+        store: TransitionStore,
+        handle: StreamHandle,
+        env_ids: np.ndarray,
+        obs: np.ndarray,
+        slots: StreamSlots,
     ) -> BatchResult:
         try:
-            await store.admit(rows)
+            await store.admit(handle, env_ids)
         finally:
             self.batcher.release(slots)
         return await self.batcher.submit(obs, slots)

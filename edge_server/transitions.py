@@ -53,9 +53,10 @@ class TransitionConfig:
     """Most env steps held for the trainer (unsent plus unacknowledged)."""
     overflow: str = "block"
     """When the buffer is full: "block" delays step requests, "drop" drops the oldest unsent segment."""
-    sync_steps: int = 0
-    """Synchronous mode when > 0: at most this many actions per published version; further
-    step requests wait for the next publish."""
+    sync_env_steps: int = 0
+    """Synchronous mode when > 0: each env gets at most this many actions per published
+    version (one segment's worth, so that every env fills exactly one segment of the batch);
+    a step request naming an env that has had its share waits for the next publish."""
     weight_sync_interval: int = 1
     """Swap in every k-th published version (a publish less than k versions ahead is skipped)."""
 
@@ -69,12 +70,12 @@ class TransitionConfig:
             )
         if self.overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
-        if self.sync_steps < 0:
-            raise ValueError(f"sync_steps must be >= 0, got {self.sync_steps}")
+        if self.sync_env_steps < 0:
+            raise ValueError(f"sync_env_steps must be >= 0, got {self.sync_env_steps}")
         if self.weight_sync_interval < 1:
             raise ValueError(f"weight_sync_interval must be >= 1, got {self.weight_sync_interval}")
-        if self.sync_steps and self.weight_sync_interval != 1:
-            raise ValueError("synchronous mode (sync_steps > 0) needs weight_sync_interval = 1")
+        if self.sync_env_steps and self.weight_sync_interval != 1:
+            raise ValueError("synchronous mode (sync_env_steps > 0) needs weight_sync_interval = 1")
 
 
 @dataclass
@@ -118,6 +119,8 @@ class _Session:
         self.log_probs = np.zeros((e, t), np.float32)
         self.values = np.zeros((e, t), np.float32)
         self.versions = np.zeros((e, t), np.uint64)
+        self.acted = np.zeros(e, np.int64)
+        """Actions admitted per env since the last publish (the sync-mode quota)."""
         self.rewards = np.zeros((e, t), np.float32)
         self.terminated = np.zeros((e, t), bool)
         self.truncated = np.zeros((e, t), bool)
@@ -158,7 +161,6 @@ class TransitionStore:
         self._unacked_steps = 0
         self._window_steps = 0
         self._waiters: list[asyncio.Future[None]] = []
-        self._actions_since_publish = 0
         self._trainer_generation = 0
         self._waiting: set[_Wait] = set()
 
@@ -312,35 +314,35 @@ class TransitionStore:
         """Env steps held for the trainer: not yet sent plus sent and unacknowledged."""
         return self._outgoing_steps + self._unacked_steps
 
-    def try_admit(self, rows: int) -> bool:
-        """Admit a step request of ``rows`` actions now if it may go ahead."""
-        if not self._may_act():
-            return False
-        self._actions_since_publish += rows
-        return True
-
-    async def admit(self, rows: int) -> None:
-        """Wait until a step request of ``rows`` actions may go ahead (buffer room, sync quota)."""
-        if not self._may_act():
-            start = _Wait(time.perf_counter_ns())
-            self._waiting.add(start)
-            try:
-                while not self._may_act():
-                    await self.wait_changed()
-            finally:
-                self._waiting.discard(start)
-                self.counters.backpressure_wait_us += (time.perf_counter_ns() - start.since_ns) // 1000
-        self._actions_since_publish += rows
-
-    def _may_act(self) -> bool:
+    def try_admit(self, handle: StreamHandle, env_ids: np.ndarray) -> bool:
+        """Admit a step request for ``env_ids`` now if it may go ahead."""
+        s = handle.session
         cfg = self.config
         if cfg.overflow == "block" and self.pending_steps >= cfg.max_pending_steps:
             return False
-        return not (cfg.sync_steps and self._actions_since_publish >= cfg.sync_steps)
+        if cfg.sync_env_steps:
+            if (s.acted[env_ids] >= cfg.sync_env_steps).any():
+                return False
+            s.acted[env_ids] += 1
+        return True
+
+    async def admit(self, handle: StreamHandle, env_ids: np.ndarray) -> None:
+        """Wait until a step request for ``env_ids`` may go ahead (buffer room, sync quota)."""
+        if self.try_admit(handle, env_ids):
+            return
+        start = _Wait(time.perf_counter_ns())
+        self._waiting.add(start)
+        try:
+            while not self.try_admit(handle, env_ids):
+                await self.wait_changed()
+        finally:
+            self._waiting.discard(start)
+            self.counters.backpressure_wait_us += (time.perf_counter_ns() - start.since_ns) // 1000
 
     def published(self) -> None:
-        """New weights are served: the sync-mode quota starts afresh."""
-        self._actions_since_publish = 0
+        """New weights are served: every env's sync-mode quota starts afresh."""
+        for s in self._sessions.values():
+            s.acted[:] = 0
         self.counters.weight_publishes += 1
         self._notify()
 

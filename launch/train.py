@@ -84,11 +84,6 @@ class RunConfig:
             )
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
-        if self.sync and self.workers > 1:
-            # The server's lockstep quota counts actions over all envs; workers stepping at
-            # their own pace can split it unevenly, so no env completes its segment and the
-            # batch never fills. One worker's groups take turns, which splits it evenly.
-            raise ValueError(f"sync: lockstep runs one sim worker, not {self.workers}")
         if self.model and self.policy != LLM_PRESET:
             raise ValueError(f"model: a model folder is for policy {LLM_PRESET!r}, not {self.policy!r}")
         if self.log_std_init and self.policy == LLM_PRESET:
@@ -267,7 +262,7 @@ def run_training(
         # Sims may run one window ahead of the batch being learned, no further: this bounds lag.
         max_pending_steps=batch * cfg.ppo.max_batches_ahead,
         overflow="block",
-        sync_steps=batch if cfg.sync else 0,
+        sync_env_steps=cfg.segment_steps if cfg.sync else 0,
         weight_sync_interval=1 if cfg.sync else cfg.weight_sync_interval,
     )
     t_start = time.monotonic()

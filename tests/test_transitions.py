@@ -156,15 +156,16 @@ def test_drop_overflow_counts_what_it_drops() -> None:
     assert [s.env_id for s in _drain(store)] == [2, 3]  # the oldest went first
 
 
-def test_block_overflow_and_sync_quota_make_steps_wait() -> None:
+def test_block_overflow_makes_steps_wait() -> None:
     async def main() -> None:
         store = _store(segment_steps=2, max_pending_steps=4)
         h = store.open_stream("s", 2)
+        both = np.array([0, 1])
         for k in range(3):  # the third message completes one 2-step segment per env
-            await store.admit(2)
+            await store.admit(h, both)
             _step(store, h, [0, 1], k)
         assert store.pending_steps == 4
-        waiter = asyncio.ensure_future(store.admit(2))
+        waiter = asyncio.ensure_future(store.admit(h, both))
         await asyncio.sleep(0.05)
         assert not waiter.done()  # the buffer is full: backpressure
         store.ack(0, 100)
@@ -173,16 +174,30 @@ def test_block_overflow_and_sync_quota_make_steps_wait() -> None:
         await asyncio.wait_for(waiter, 1.0)
         assert store.counters.backpressure_wait_us >= 40_000
 
-        sync = _store(segment_steps=2, sync_steps=4)
-        h = sync.open_stream("s", 2)
-        await sync.admit(2)
-        await sync.admit(2)
-        blocked = asyncio.ensure_future(sync.admit(2))
+    asyncio.run(main())
+
+
+def test_sync_quota_is_per_env_so_uneven_streams_fill_one_segment_each() -> None:
+    async def main() -> None:
+        store = _store(segment_steps=2, sync_env_steps=2)
+        fast, slow = store.open_stream("fast", 2), store.open_stream("slow", 1)
+        fast_ids, slow_ids = np.array([0, 1]), np.array([0])
+        await store.admit(fast, fast_ids)
+        await store.admit(fast, fast_ids)
+        assert not store.try_admit(fast, fast_ids)  # its share of this version is used up
+        assert not store.try_admit(fast, np.array([1]))
+        blocked = asyncio.ensure_future(store.admit(fast, fast_ids))
         await asyncio.sleep(0.05)
-        assert not blocked.done()  # 4 actions per version, then wait for the publish
-        sync.published()
+        assert not blocked.done()
+        # The slow stream's env still has its share, whatever the fast one took.
+        assert store.try_admit(slow, slow_ids) and store.try_admit(slow, slow_ids)
+        assert not store.try_admit(slow, slow_ids)
+        store.published()
         await asyncio.wait_for(blocked, 1.0)
-        assert sync.counters.weight_publishes == 1
+        assert store.counters.weight_publishes == 1
+        assert store.try_admit(slow, slow_ids)  # a publish renews every env's share
+        # The woken request took the first of the fast envs' two new actions.
+        assert store.try_admit(fast, fast_ids) and not store.try_admit(fast, fast_ids)
 
     asyncio.run(main())
 
@@ -191,4 +206,4 @@ def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="overflow must be one of"):
         TransitionConfig(overflow="spill")
     with pytest.raises(ValueError, match="needs weight_sync_interval = 1"):
-        TransitionConfig(sync_steps=64, weight_sync_interval=2)
+        TransitionConfig(sync_env_steps=32, weight_sync_interval=2)
