@@ -129,6 +129,12 @@ class VLLMPolicyBackend(PolicyBackend):
             logprobs=0,
             detokenize=False,
             ignore_eos=True,
+            # vLLM deep-copies a request's params unless told otherwise: with 256 allowed
+            # ids that copy was ~9 % of a 64-prompt generate (72 -> 66 ms, same run). A
+            # shallow copy is safe here: these params belong to this backend and one engine,
+            # and what vLLM writes into them per request (its stop-token set) is the same
+            # for every request.
+            skip_clone=True,
         )
         import torch
 
