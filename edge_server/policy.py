@@ -164,10 +164,7 @@ class _ServedMLP:
     """
 
     def __init__(self, policy: GaussianMLPPolicy, with_critic: bool) -> None:
-        norm = policy.obs_norm
-        self.obs_mean = norm.mean.detach().numpy().astype(np.float32, copy=True)
-        self.obs_std = np.sqrt(norm.var.detach().numpy() + norm.eps).astype(np.float32)
-        self.obs_clip = np.float32(norm.clip)
+        self.obs_norm = policy.obs_norm.frozen()
         log_std = policy.actor_log_std.detach().numpy().astype(np.float32, copy=True)
         # Fixed between weight swaps: computed here, not for every batch.
         self.std = np.exp(log_std)
@@ -190,7 +187,7 @@ class _ServedMLP:
 
     def forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Action means ``[n, act_dim]`` and, with the critic, values ``[n]``."""
-        x = torch.from_numpy(np.clip((obs - self.obs_mean) / self.obs_std, -self.obs_clip, self.obs_clip))
+        x = torch.from_numpy(self.obs_norm(obs))
         mean = self._run(self.actor, x)
         values = None if self.critic is None else self._run(self.critic, x)[:, 0]
         return mean, values

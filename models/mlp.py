@@ -11,6 +11,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -47,8 +48,21 @@ class RunningNorm(nn.Module):
         self.clip = clip
         self.eps = eps
 
+    def std(self) -> torch.Tensor:
+        """``sqrt(var + eps)``, the divisor of :meth:`forward`."""
+        return torch.sqrt(self.var + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.clamp((x - self.mean) / torch.sqrt(self.var + self.eps), -self.clip, self.clip)
+        return torch.clamp((x - self.mean) / self.std(), -self.clip, self.clip)
+
+    @torch.no_grad()
+    def frozen(self) -> FrozenNorm:
+        """A numpy copy of the current statistics that normalises as :meth:`forward` does."""
+        return FrozenNorm(
+            self.mean.numpy().astype(np.float32, copy=True),
+            self.std().numpy().astype(np.float32),
+            np.float32(self.clip),
+        )
 
     @torch.no_grad()
     def update(self, batch: torch.Tensor) -> None:
@@ -65,6 +79,20 @@ class RunningNorm(nn.Module):
         self.mean.copy_(new_mean)
         self.var.copy_(m2 / total.float())
         self.count.copy_(total)
+
+
+class FrozenNorm:
+    """:class:`RunningNorm`'s transform on numpy arrays, with its statistics fixed.
+
+    Cheaper than the module's torch ops on the small batches a server answers.
+    """
+
+    def __init__(self, mean: np.ndarray, std: np.ndarray, clip: np.float32) -> None:
+        self.mean, self.std, self.clip = mean, std, clip
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.clip((x - self.mean) / self.std, -self.clip, self.clip)
+        return out
 
 
 def mlp_linears(seq: nn.Module) -> list[nn.Linear]:

@@ -65,6 +65,20 @@ def test_the_served_forward_pass_is_the_modules() -> None:
     assert out.actions.shape == (16, 2, 2)
 
 
+def test_the_frozen_normaliser_is_the_modules_and_ignores_later_updates() -> None:
+    rng = np.random.default_rng(4)
+    norm = RunningNorm((3,), clip=2.0)
+    norm.update(torch.from_numpy(rng.normal(1.0, 3.0, size=(200, 3)).astype(np.float32)))
+    frozen = norm.frozen()
+    x = rng.normal(1.0, 12.0, size=(50, 3)).astype(np.float32)
+    with torch.no_grad():
+        expected = norm(torch.from_numpy(x)).numpy()
+    assert np.abs(expected).max() == 2.0  # some rows are clipped
+    np.testing.assert_allclose(frozen(x), expected, rtol=1e-6, atol=1e-6)
+    norm.update(torch.from_numpy(rng.normal(-5.0, 1.0, size=(200, 3)).astype(np.float32)))
+    np.testing.assert_allclose(frozen(x), expected, rtol=1e-6, atol=1e-6)  # a copy, not a view
+
+
 def test_a_weight_swap_changes_the_served_forward_pass() -> None:
     obs = np.random.default_rng(3).normal(size=(8, 5)).astype(np.float32)
     backend = TorchPolicyBackend(
