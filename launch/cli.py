@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch import robot as robot_cli
@@ -27,6 +27,18 @@ from edgerl.models import POLICY_PRESETS
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.watchdog.watchdog import Fallback
+
+_C = TypeVar("_C")
+
+
+def config_from_args(cls: type[_C], a: argparse.Namespace, **overrides: Any) -> _C:
+    """A config dataclass from the parsed options named like its fields, then ``overrides``.
+
+    Fields with no option keep their defaults; an option under another name, or one
+    that needs converting, goes in ``overrides``.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{**{k: v for k, v in vars(a).items() if k in names}, **overrides})
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -427,20 +439,7 @@ def _serve(a: argparse.Namespace) -> int:
     from edgerl.edge_server.server import serve_until_signal
     from edgerl.launch.processes import build_server
 
-    cfg = ServerConfig(
-        host=a.host,
-        port=a.port,
-        max_batch_size=a.max_batch_size,
-        max_delay_us=a.max_delay_us,
-        max_queue_rows=a.max_queue_rows,
-        max_message_bytes=a.max_message_bytes,
-        max_envs_per_stream=a.max_envs_per_stream,
-        grace_s=a.grace_s,
-        tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
-        tls_client_ca=a.tls_client_ca,
-        tokens=a.tokens,
-    )
+    cfg = config_from_args(ServerConfig, a)
     server = build_server(PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model), cfg)
 
     async def main() -> None:
@@ -539,30 +538,11 @@ def _certs(a: argparse.Namespace) -> int:
 def _bench_robot(a: argparse.Namespace) -> int:
     from edgerl.launch import bench_robot as br
 
-    cfg = br.BenchRobotConfig(
-        robots=a.robots,
-        hz=a.hz,
-        env=a.env,
-        policy=a.policy,
-        model=a.model,
-        chunk=a.chunk,
-        refill_at=a.refill_at,
-        deadline_ms=a.deadline_ms,
-        fallback=Fallback(a.fallback),
-        estop_after=a.estop_after,
-        processes=a.processes,
-        robots_per_slot=a.robots_per_slot,
-        realtime_priority=a.realtime_priority,
-        torch_threads=a.torch_threads,
-        warmup_s=a.warmup_s,
+    cfg = config_from_args(
+        br.BenchRobotConfig,
+        a,
         duration_s=a.seconds,
-        sync_loop_s=a.sync_loop_s,
-        baseline_s=a.baseline_s,
-        kill_server_s=a.kill_server_s,
-        delay_ms=a.delay_ms,
-        jitter_ms=a.jitter_ms,
-        drop=a.drop,
-        seed=a.seed,
+        fallback=Fallback(a.fallback),
         log_level="ERROR" if a.log_level == "WARNING" else a.log_level,
     )
     result = br.run_bench_robot(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
@@ -575,20 +555,7 @@ def _bench_robot(a: argparse.Namespace) -> int:
 def _bench_throughput(a: argparse.Namespace) -> int:
     from edgerl.launch import bench_throughput as bt
 
-    cfg = bt.ThroughputConfig(
-        env=a.env,
-        envs=a.envs,
-        seconds=a.seconds,
-        warmup_s=a.warmup_s,
-        policy=a.policy,
-        workers=a.workers,
-        groups=a.groups,
-        repeats=a.repeats,
-        max_delay_us=a.max_delay_us,
-        torch_threads=a.torch_threads,
-        seed=a.seed,
-        model=a.model,
-    )
+    cfg = config_from_args(bt.ThroughputConfig, a)
     result = bt.run(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(bt.format_table(result), file=sys.stderr)
     print(json.dumps(result))

@@ -76,9 +76,21 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     for mode in ("sync_inprocess", "sync_unary", "async_stream"):
         assert result[mode] > 0
     assert result["config"]["groups"] == 2  # the MLP's default: double-buffered
+    assert (result["config"]["envs"], result["config"]["seconds"]) == (8, 1.5)
     assert result["ratios"]["async_stream/sync_unary"] == pytest.approx(
         result["async_stream"] / result["sync_unary"], rel=1e-2
     )
+
+
+def test_serve_options_become_the_server_config() -> None:
+    from edgerl.edge_server.server import ServerConfig
+    from edgerl.launch.cli import build_parser, config_from_args
+
+    a = build_parser().parse_args(["serve", "--port", "5151", "--max-delay-us", "250", "--grace-s", "0.5"])
+    cfg = config_from_args(ServerConfig, a)
+    assert (cfg.port, cfg.max_delay_us, cfg.grace_s) == (5151, 250, 0.5)
+    assert cfg.max_batch_size == ServerConfig().max_batch_size and cfg.learner is None  # not options
+    assert config_from_args(ServerConfig, a, port=0).port == 0  # overrides win
 
 
 def test_bench_throughput_batches_all_envs_of_a_worker_for_the_llm_policy() -> None:

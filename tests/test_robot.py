@@ -243,6 +243,14 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     )  # fmt: skip
     assert code == 0
     r = json.loads(out.read_text())
+    c = r["config"]  # every flag reached the config, --seconds as duration_s
+    assert (c["robots"], c["policy"], c["duration_s"], c["baseline_s"], c["fallback"]) == (
+        4,
+        "mlp-small",
+        2,
+        0.5,
+        "hold",
+    )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
     assert r["steady"]["ticks"] >= 4 * 2 * 50 * 0.95
