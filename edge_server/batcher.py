@@ -10,10 +10,14 @@ bounded FIFO queue. A batch is dispatched when
    semantics: the delay counts from the oldest request, not from the batch).
 
 Rule 2 matters: a batcher that always waits for the delay adds it to every
-round trip when few streams are connected. The forward pass runs on one
+round trip when few streams are connected. The forward pass runs on a
 dedicated thread, never on the event loop; while it runs the next batch
-forms. A request that does not fit in the queue is refused at once
-(:class:`QueueFullError`), never queued without bound.
+forms. A backend with ``pipeline_depth = k > 1`` (one that batches
+continuously inside, like a vLLM engine) gets up to ``k`` batches at once,
+each on its own thread, so the next batch joins the running ones instead of
+waiting for them. Weight swaps wait until no batch is running. A request
+that does not fit in the queue is refused at once (:class:`QueueFullError`),
+never queued without bound.
 """
 
 from __future__ import annotations
@@ -131,7 +135,12 @@ class DynamicBatcher:
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerl-infer")
+        self._depth = max(1, backend.pipeline_depth)
+        self._executor = concurrent.futures.ThreadPoolExecutor(self._depth, thread_name_prefix="edgerl-infer")
+        self._running: set[asyncio.Task[None]] = set()
+        self._swaps_waiting = 0
+        self._idle = asyncio.Event()  # no batch running (set while none is)
+        self._idle.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,6 +154,7 @@ class DynamicBatcher:
         self._wake.set()
         if self._task is not None:
             await self._task
+        await self._idle.wait()
         self._executor.shutdown(wait=True)
 
     @property
@@ -242,9 +252,19 @@ class DynamicBatcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self._swaps_waiting or len(self._running) >= self._depth:
+                # A weight swap waits for the running batches (no new one starts before it),
+                # or the backend has as many batches as it takes.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             now = time.monotonic_ns()
             if self._ready(now):
-                await self._dispatch(self._take(), now)
+                batch = self._take()
+                if self._depth == 1:
+                    await self._dispatch(batch, now)
+                else:
+                    self._start(batch, now)
                 continue
             self._wake.clear()
             remaining_s = (self._queue[0].enqueued_ns + self.max_delay_ns - now) / 1e9
@@ -253,6 +273,20 @@ class DynamicBatcher:
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def _start(self, batch: list[_Request], now_ns: int) -> None:
+        """Run a batch beside the running ones (pipelined backends)."""
+        task = asyncio.get_running_loop().create_task(self._dispatch(batch, now_ns))
+        self._running.add(task)
+        self._idle.clear()
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._running.discard(t)
+            if not self._running:
+                self._idle.set()
+            self._wake.set()
+
+        task.add_done_callback(done)
 
     def _take(self) -> list[_Request]:
         batch = [self._queue.popleft()]
@@ -273,9 +307,16 @@ class DynamicBatcher:
     async def run_between_batches(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the inference thread, after the running batch and before the next.
 
-        This is how weights are swapped: no forward pass ever sees half-loaded weights.
+        This is how weights are swapped: no forward pass ever sees half-loaded weights,
+        and with a pipelined backend no batch starts before ``fn`` or runs beside it.
         """
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        self._swaps_waiting += 1
+        try:
+            await self._idle.wait()
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        finally:
+            self._swaps_waiting -= 1
+            self._wake.set()
 
     def _infer(self, obs: np.ndarray) -> tuple[PolicyResult, int, int]:
         start = time.perf_counter_ns()

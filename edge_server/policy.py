@@ -57,6 +57,9 @@ class PolicyBackend(abc.ABC):
     name: str = "policy"
     #: Actions per observation; a backend with ``chunk > 1`` returns ``[n, chunk, *act_shape]``.
     chunk: int = 1
+    #: Batches the backend takes at once: above 1, :meth:`infer` is called from that many
+    #: threads concurrently (a backend that batches continuously inside, e.g. vLLM).
+    pipeline_depth: int = 1
 
     def __init__(
         self,

@@ -1,11 +1,13 @@
 """The dynamic batcher on its own, with real asyncio and a real inference thread."""
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 
 from edgerl.edge_server.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
+from edgerl.edge_server.policy import PolicyResult
 from tests.helpers import EchoPolicy, run
 
 
@@ -107,5 +109,55 @@ def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
             b.submit(_obs(1, 0.0))
         await closing
         assert all(f.done() and not f.exception() for f in futures)
+
+    run(main())
+
+
+class _PipelinedEcho(EchoPolicy):
+    """An echo policy that takes two batches at once and logs what ran beside what."""
+
+    pipeline_depth = 2
+
+    def __init__(self) -> None:
+        super().__init__(4, 2, delay_s=0.2)
+        self._lock = threading.Lock()
+        self.running = 0
+        self.most_running = 0
+        self.log: list[str] = []
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        with self._lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self.log.append(f"start {obs[0, 0]:g}")
+        try:
+            return super().infer(obs)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def swap(self) -> int:
+        self.log.append("swap")
+        return self.running
+
+
+def test_a_pipelined_backend_takes_batches_side_by_side_and_swaps_only_between_them() -> None:
+    async def main() -> None:
+        policy = _PipelinedEcho()
+        b = DynamicBatcher(policy, max_batch_size=4, max_delay_us=0, max_queue_rows=64)
+        b.start()
+        streams = [b.open_stream(1) for _ in range(3)]
+        futures = [b.submit(_obs(4, float(i)), s) for i, s in enumerate(streams[:2])]
+        await asyncio.sleep(0.05)  # both batches are running now
+        swap = asyncio.ensure_future(b.run_between_batches(policy.swap))
+        await asyncio.sleep(0.01)
+        futures.append(b.submit(_obs(4, 2.0), streams[2]))  # waits for the swap
+        results = await asyncio.wait_for(asyncio.gather(*futures), 5.0)
+        assert await swap == 0  # nothing ran beside the swap
+        assert policy.most_running == 2  # the first two batches ran side by side
+        assert sorted(policy.log[:2]) == ["start 0", "start 1"] and policy.log[2:] == ["swap", "start 2"]
+        for i, r in enumerate(results):
+            np.testing.assert_array_equal(r.actions, float(i))
+        await b.close()
 
     run(main())

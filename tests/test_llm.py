@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -115,6 +116,20 @@ def test_served_actions_are_action_bin_centres_with_matching_log_probs(server: A
     with torch.no_grad():
         trainer_lp, _, _ = policy(policy.prompts(obs), policy.action_tokens(a))
     assert np.abs(trainer_lp.numpy() - answer.log_probs).mean() < 1e-3
+
+
+def test_batches_in_the_engine_at_once_keep_their_own_rows(server: Any, model_dir: Path) -> None:
+    """The engine thread interleaves batches; each row's answer must still be its own."""
+    backend = server.backend
+    assert backend.pipeline_depth > 1
+    batches = [_obs(24, 5), _obs(8, 6), _obs(1, 7)]
+    with concurrent.futures.ThreadPoolExecutor(len(batches)) as pool:
+        results = [f.result(120) for f in [pool.submit(backend.infer, obs) for obs in batches]]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for obs, res in zip(batches, results, strict=True):
+        assert res.actions.shape == (len(obs), 2)
+        # a row answered from another row's prompt would not have this log-prob
+        assert np.abs(_recompute(model, backend.codec, obs, res.actions) - res.log_probs).max() < 1e-3
 
 
 def test_llm_actor_critic_entropy_value_head_and_served_names(model_dir: Path) -> None:
