@@ -58,10 +58,10 @@ class ThroughputConfig:
     groups: int = 0
     """Env groups per worker in async_stream (2 = double-buffered); 0: 1 for the llm policy, else 2.
 
-    The language model's forward pass costs ~20x a step of the envs, so there is little to
-    overlap, and one batch of 64 prompts costs less than two of 32: alternating against one
-    server, one group ran at 792 env steps/s and two at 740 (medians of 3, each pair won by one
-    group)."""
+    The language model's forward pass costs ~15x a step of the envs, so there is little to
+    overlap, and one batch of 64 prompts costs less than two of 32 even with the engine batching
+    continuously: alternating against one server (4 pairs of 8 s), one group ran at 656 env
+    steps/s and two at 600 (medians), one group winning every pair."""
     repeats: int = 1
     """Interleaved repeats of all modes; medians are reported."""
     max_delay_us: int = 1000
