@@ -73,7 +73,8 @@ class _Submission:
     left: int
 
 
-_Work: TypeAlias = tuple[list[Any], _Submission] | Callable[[], None]
+#: A batch to add, a call to run between engine steps, or None: stop.
+_Work: TypeAlias = tuple[list[Any], _Submission] | Callable[[], None] | None
 
 
 class VLLMPolicyBackend(PolicyBackend):
@@ -170,8 +171,9 @@ class VLLMPolicyBackend(PolicyBackend):
         self._weights_dir = Path(tempfile.mkdtemp(prefix="edgerl-llm-weights-"))
         shutil.copy(self.model_dir / "config.json", self._weights_dir / "config.json")
         self.last_swap_s = 0.0
-        # Batches to add (prompts, submission) and calls to run between engine steps.
         self._inbox: queue.SimpleQueue[_Work] = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()  # nothing is put after the stop
+        self._closed = False
         self._engine_thread = threading.Thread(target=self._engine_loop, name="edgerl-vllm", daemon=True)
         self._engine_thread.start()
 
@@ -183,8 +185,23 @@ class VLLMPolicyBackend(PolicyBackend):
             TokensPrompt(prompt_token_ids=p.tolist()) for p in self.codec.prompts(obs.reshape(len(obs), -1))
         ]
         sub = _Submission(concurrent.futures.Future(), [None] * len(prompts), len(prompts))
-        self._inbox.put((prompts, sub))
+        self._put((prompts, sub))
         return sub.future.result()
+
+    def close(self) -> None:
+        """Finish the running batches, then stop the engine thread (it takes no more)."""
+        with self._inbox_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(None)
+        self._engine_thread.join()
+
+    def _put(self, work: _Work) -> None:
+        with self._inbox_lock:
+            if self._closed:
+                raise RuntimeError("the vLLM backend is closed")
+            self._inbox.put(work)
 
     def _on_engine(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread, between two engine steps, and return its result."""
@@ -196,7 +213,7 @@ class VLLMPolicyBackend(PolicyBackend):
             except BaseException as exc:  # handed to the caller
                 fut.set_exception(exc)
 
-        self._inbox.put(call)
+        self._put(call)
         return fut.result()
 
     def _engine_loop(self) -> None:
@@ -208,14 +225,18 @@ class VLLMPolicyBackend(PolicyBackend):
         engine = self.llm.llm_engine
         ids = itertools.count()
         running: dict[str, tuple[_Submission, int]] = {}
-        while True:
-            work = [] if running else [self._inbox.get()]  # idle: wait for work
+        stopping = False
+        while not (stopping and not running):
+            work = [] if running or stopping else [self._inbox.get()]  # idle: wait for work
             while True:
                 try:
                     work.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
             for item in work:
+                if item is None:
+                    stopping = True
+                    continue
                 if callable(item):
                     item()
                     continue

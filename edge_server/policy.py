@@ -94,6 +94,9 @@ class PolicyBackend(abc.ABC):
         """Run one dummy batch so the first real request does not pay for lazy init."""
         self.infer(np.zeros((rows, *self.obs_shape), dtype=np.float32))
 
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
+        """Release what the backend holds (threads, engines); it takes no batches after this."""
+
 
 class TorchPolicyBackend(PolicyBackend):
     """A :class:`GaussianMLPPolicy` evaluated with torch on the CPU.

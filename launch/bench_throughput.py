@@ -117,6 +117,7 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
         sps = _timed(step, cfg.warmup_s, cfg.seconds)
     finally:
         envs.close()
+        backend.close()
     env_s, inf_s = spent["env"], spent["inference"]
     return sps, (env_s + inf_s) / max(env_s, inf_s, 1e-12)
 

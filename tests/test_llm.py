@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - CI installs the llm extra
 
 import torch
 from transformers import AutoModelForCausalLM
+from vllm.exceptions import VLLMValidationError
 
 from edgerl.edge_server.llm_policy import VLLMPolicyBackend, weights_manifest
 from edgerl.edge_server.transitions import TransitionConfig
@@ -223,3 +224,18 @@ def _train(args: list[str], out: Path) -> dict[str, Any]:
     subprocess.run(cmd, check=True, timeout=900)
     summary: dict[str, Any] = json.loads(out.read_text())
     return summary
+
+
+def test_a_refused_batch_fails_alone_and_close_stops_the_engine(model_dir: Path) -> None:
+    backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, seed=1)
+    try:
+        # rows 8x too long make prompts beyond the engine's max_model_len: vLLM refuses them
+        with pytest.raises(VLLMValidationError, match="maximum context length"):
+            backend.infer(np.zeros((2, OBS_DIM * 8), np.float32))
+        assert backend.infer(_obs(3, 8)).actions.shape == (3, 2)  # the engine still serves
+    finally:
+        backend.close()
+    assert not backend._engine_thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.infer(_obs(1, 9))
+    backend.close()  # a second close is harmless
