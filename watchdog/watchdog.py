@@ -160,6 +160,7 @@ class _Chunk:
     obs_tick: int
     obs_time: float
     tag: Any
+    finite: np.ndarray  # [K] bool: the action has no NaN or Inf (checked once, on submit)
 
 
 class Watchdog:
@@ -261,7 +262,8 @@ class Watchdog:
                 return False
             if self._chunk is not None and obs_tick <= self._chunk.obs_tick:
                 return False
-            self._chunk = _Chunk(arr, obs_tick, obs_time, tag)
+            finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+            self._chunk = _Chunk(arr, obs_tick, obs_time, tag, finite)
             return True
 
     def remaining(self) -> int:
@@ -301,7 +303,7 @@ class Watchdog:
             if not 0 <= k < len(chunk.actions):
                 return None, math.nan, None
             action = chunk.actions[k]
-        if not np.all(np.isfinite(action)):
+        if not chunk.finite[k]:
             self._counts["nonfinite_actions"] += 1
             return None, math.nan, None
         return action, now - chunk.obs_time, chunk.tag
@@ -328,7 +330,13 @@ class Watchdog:
             kind = TickKind.ESTOP if self._estopped else TickKind.FALLBACK
             target = self._fallback_target()
             self._maybe_warn(now)
-        out = self._clamp(np.clip(target, self._last - self.max_delta, self._last + self.max_delta))
+        # Clamp to the limits and rate-limit in one: _last is within the limits, so the two
+        # ranges overlap and clipping to their intersection is clipping to each in turn.
+        # Plain ufuncs: np.clip's dispatch costs more than the arithmetic on a few entries.
+        last = self._last
+        lo = np.maximum(last - self.max_delta, self.low)
+        hi = np.minimum(last + self.max_delta, self.high)
+        out = np.minimum(np.maximum(target, lo, out=lo), hi, out=hi)
         self._last = out
         t = Tick(index, scheduled, now, out, kind, age, tag)
         try:
