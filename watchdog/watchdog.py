@@ -262,7 +262,7 @@ class Watchdog:
                 return False
             if self._chunk is not None and obs_tick <= self._chunk.obs_tick:
                 return False
-            finite = np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+            finite = np.asarray(np.isfinite(arr).reshape(len(arr), -1).all(axis=1))
             self._chunk = _Chunk(arr, obs_tick, obs_time, tag, finite)
             return True
 
