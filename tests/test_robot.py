@@ -172,7 +172,10 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume() -> None:
         assert s["ticks"] >= 0.95 * 3.0 * HZ  # the loop kept its rate throughout
         assert s["estops"] == 0
         assert s["max_consecutive_fallbacks"] >= int(down_s * HZ * 0.8)
-        assert k[-1] is TickKind.POLICY  # back on policy actions
+        # Back on policy actions: the last half second is policy ticks, but for a rare late
+        # answer on a loaded machine (CI once saw the very last tick fall back).
+        tail = k[-int(0.5 * HZ) :]
+        assert tail.count(TickKind.POLICY) >= 0.8 * len(tail), tail
         assert host.reconnects >= 1
 
 
