@@ -289,11 +289,11 @@ def baseline_loop(cfg: BenchRobotConfig) -> dict[str, Any]:
     watchdog counts it. The machine's own stalls show up here.
     """
     from edgerl.sim.robot import MujocoRobot
-    from edgerl.watchdog.loop import slot_index
+    from edgerl.watchdog.loop import slot_count, slot_index
 
     count = cfg.robots // cfg.processes
     robots = [MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed + i, name=f"baseline-{i}") for i in range(count)]
-    slots: list[list[Any]] = [[] for _ in range(math.ceil(count / cfg.robots_per_slot))]
+    slots: list[list[Any]] = [[] for _ in range(slot_count(count, cfg.robots_per_slot))]
     for i, robot in enumerate(robots):
         slots[slot_index(i, count, len(slots))].append((robot, robot.safe_action()))
     period = 1.0 / cfg.hz

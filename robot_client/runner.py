@@ -45,7 +45,7 @@ from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.robot import Reading, Robot
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
-from edgerl.watchdog.loop import ControlLoop
+from edgerl.watchdog.loop import ControlLoop, slot_count
 from edgerl.watchdog.samples import Samples
 from edgerl.watchdog.watchdog import Tick, Watchdog, WatchdogConfig
 
@@ -383,7 +383,7 @@ class RobotHost:
             [link.watchdog for link in self.links],
             clock=self.clock,
             name="robot-control",
-            slots=math.ceil(len(self.links) / config.robots_per_slot),
+            slots=slot_count(len(self.links), config.robots_per_slot),
             after_slot=self._outbox.flush,
             idle=functools.partial(run_loop_for, self._loop),
             realtime_priority=config.realtime_priority,

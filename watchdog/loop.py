@@ -24,6 +24,11 @@ class _Due:
     dog: Watchdog = field(compare=False)
 
 
+def slot_count(members: int, per_slot: int) -> int:
+    """Slots for ``members`` ticked at most ``per_slot`` back to back."""
+    return -(-members // per_slot)
+
+
 def slot_index(i: int, n: int, slots: int) -> int:
     """The slot (0 to ``slots - 1``) of member ``i`` of ``n``: the slots share the members evenly
     and start at even offsets over the period."""
