@@ -255,6 +255,7 @@ class Watchdog:
         if arr.shape[1:] != self.act_shape or arr.shape[0] < 1:
             log.warning("dropped an action chunk of shape %s (action shape %s)", arr.shape, self.act_shape)
             return False
+        finite = np.asarray(np.isfinite(arr).reshape(len(arr), -1).all(axis=1))  # outside the lock
         latency = self.clock.now() - obs_time
         with self._lock:
             if latency > self.config.deadline_s:
@@ -262,7 +263,6 @@ class Watchdog:
                 return False
             if self._chunk is not None and obs_tick <= self._chunk.obs_tick:
                 return False
-            finite = np.asarray(np.isfinite(arr).reshape(len(arr), -1).all(axis=1))
             self._chunk = _Chunk(arr, obs_tick, obs_time, tag, finite)
             return True
 
