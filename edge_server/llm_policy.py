@@ -3,10 +3,11 @@
 Each observation becomes a token prompt (``edgerl.models.llm``: an optional
 instruction, then one bin token per observation entry); the engine generates
 one action token per action dimension (``chunk`` x ``act_dim`` tokens for
-action chunks), restricted to the reserved action block with
-``allowed_token_ids``. With ``logprobs_mode="processed_logprobs"`` the
-log-probabilities vLLM returns are those of that restricted distribution, so
-the trainer's importance ratios are right; a test checks them against a
+action chunks), restricted to the reserved action block by a logits
+processor (``edgerl.edge_server.llm_logits``: what ``allowed_token_ids`` does,
+for less). With ``logprobs_mode="processed_logprobs"`` the log-probabilities
+vLLM returns are those of that restricted distribution, so the trainer's
+importance ratios are right; a test checks them against a
 recomputation with ``transformers`` (mean absolute difference ~1e-7 on CPU).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
@@ -69,12 +70,21 @@ class _Submission:
     """One batch inside the engine: its outputs fill in as its sequences finish."""
 
     future: concurrent.futures.Future[PolicyResult]
+    prompts: list[Any]
     outputs: list[Any]
     left: int
 
 
-#: A batch to add, a call to run between engine steps, or None: stop.
-_Work: TypeAlias = tuple[list[Any], _Submission] | Callable[[], None] | None
+@dataclass
+class _Call:
+    """A call to run on the engine thread between two engine steps."""
+
+    future: concurrent.futures.Future[Any]
+    fn: Callable[[], Any]
+
+
+#: A batch to add, a call to run, or None: stop.
+_Work: TypeAlias = _Submission | _Call | None
 
 
 class VLLMPolicyBackend(PolicyBackend):
@@ -131,11 +141,15 @@ class VLLMPolicyBackend(PolicyBackend):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         try:
             from vllm import LLM, SamplingParams
+            from vllm.sampling_params import RequestOutputKind
+
+            from edgerl.edge_server.llm_logits import ALLOWED_RANGE, TokenBlockLogitsProcessor
         except ImportError as exc:
             raise ImportError(
                 "the llm policy needs vLLM: pip install 'edgerl[llm]' (CPU build) or 'edgerl[llm-cuda]'"
             ) from exc
 
+        actions = self.codec.layout.action_token_ids()
         prompt_len = len(self.codec.prefix) + int(np.prod(obs_shape))
         self.llm = LLM(
             model=str(self.model_dir),
@@ -146,21 +160,24 @@ class VLLMPolicyBackend(PolicyBackend):
             max_model_len=prompt_len + chunk * self.codec.act_dim,
             max_num_seqs=max_num_seqs,
             logprobs_mode="processed_logprobs",
+            logits_processors=[TokenBlockLogitsProcessor],
             enforce_eager=True,
         )
         self.sampling = SamplingParams(
             temperature=1.0,
             max_tokens=chunk * self.codec.act_dim,
             min_tokens=chunk * self.codec.act_dim,
-            allowed_token_ids=self.codec.layout.action_token_ids(),
+            # the action block, as allowed_token_ids would but cheaper (see llm_logits)
+            extra_args={ALLOWED_RANGE: (actions[0], actions[-1] + 1)},
             logprobs=0,
             detokenize=False,
             ignore_eos=True,
-            # vLLM deep-copies a request's params unless told otherwise: with 256 allowed
-            # ids that copy was ~9 % of a 64-prompt generate (72 -> 66 ms, same run). A
-            # shallow copy is safe here: these params belong to this backend and one engine,
-            # and what vLLM writes into them per request (its stop-token set) is the same
-            # for every request.
+            # a request's output is built once, when it finishes, not after every token
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            # vLLM deep-copies a request's params unless told otherwise (72 -> 66 ms for a
+            # 64-prompt generate without the copy, same run, when the params held 256
+            # allowed ids). A shallow copy is safe: these params belong to this backend and
+            # one engine, and what vLLM writes into them per request is the same for all.
             skip_clone=True,
         )
         import torch
@@ -174,6 +191,7 @@ class VLLMPolicyBackend(PolicyBackend):
         self._inbox: queue.SimpleQueue[_Work] = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()  # nothing is put after the stop
         self._closed = False
+        self._died = ""  # why the engine thread stopped, if it died
         self._engine_thread = threading.Thread(target=self._engine_loop, name="edgerl-vllm", daemon=True)
         self._engine_thread.start()
 
@@ -184,8 +202,8 @@ class VLLMPolicyBackend(PolicyBackend):
         prompts = [
             TokensPrompt(prompt_token_ids=p.tolist()) for p in self.codec.prompts(obs.reshape(len(obs), -1))
         ]
-        sub = _Submission(concurrent.futures.Future(), [None] * len(prompts), len(prompts))
-        self._put((prompts, sub))
+        sub = _Submission(concurrent.futures.Future(), prompts, [None] * len(prompts), len(prompts))
+        self._put(sub)
         return sub.future.result()
 
     def close(self) -> None:
@@ -200,23 +218,38 @@ class VLLMPolicyBackend(PolicyBackend):
     def _put(self, work: _Work) -> None:
         with self._inbox_lock:
             if self._closed:
-                raise RuntimeError("the vLLM backend is closed")
+                raise RuntimeError(f"the vLLM backend is closed{self._died}")
             self._inbox.put(work)
 
     def _on_engine(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread, between two engine steps, and return its result."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def call() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # handed to the caller
-                fut.set_exception(exc)
-
+        call = _Call(concurrent.futures.Future(), fn)
         self._put(call)
-        return fut.result()
+        return call.future.result()
 
     def _engine_loop(self) -> None:
+        """Run the engine; should the thread die, fail what waits on it rather than hang it."""
+        running: dict[str, tuple[_Submission, int]] = {}
+        taken: list[_Work] = []  # work out of the inbox, maybe not yet handled
+        try:
+            self._serve(running, taken)
+        except BaseException as exc:
+            log.exception("the vLLM engine thread died; the backend serves no more")
+            with self._inbox_lock:
+                self._closed = True
+                self._died = f" (its engine thread died: {exc!r})"
+            failed = RuntimeError(f"vLLM engine thread died: {exc!r}")
+            waiting = [sub for sub, _ in running.values()] + taken
+            while True:
+                try:
+                    waiting.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in waiting:
+                if item is not None and not item.future.done():
+                    item.future.set_exception(failed)
+
+    def _serve(self, running: dict[str, tuple[_Submission, int]], taken: list[_Work]) -> None:
         """Own the engine: add the batches that arrive, step while sequences run."""
         import torch
 
@@ -224,26 +257,30 @@ class VLLMPolicyBackend(PolicyBackend):
             torch.set_num_threads(self._threads)
         engine = self.llm.llm_engine
         ids = itertools.count()
-        running: dict[str, tuple[_Submission, int]] = {}
         stopping = False
         while not (stopping and not running):
-            work = [] if running or stopping else [self._inbox.get()]  # idle: wait for work
+            taken.clear()
+            if not (running or stopping):
+                taken.append(self._inbox.get())  # idle: wait for work
             while True:
                 try:
-                    work.append(self._inbox.get_nowait())
+                    taken.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            for item in work:
+            for item in taken:
                 if item is None:
                     stopping = True
                     continue
-                if callable(item):
-                    item()
+                if isinstance(item, _Call):
+                    try:
+                        item.future.set_result(item.fn())
+                    except Exception as exc:  # handed to the caller
+                        item.future.set_exception(exc)
                     continue
-                prompts, sub = item
+                sub = item
                 added = []
                 try:
-                    for row, prompt in enumerate(prompts):
+                    for row, prompt in enumerate(sub.prompts):
                         rid = str(next(ids))
                         engine.add_request(rid, prompt, self.sampling)
                         added.append(rid)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,11 @@ except ImportError:  # pragma: no cover - CI installs the llm extra
 
 import torch
 from transformers import AutoModelForCausalLM
+from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
+from edgerl.edge_server.llm_logits import ALLOWED_RANGE, TokenBlockLogitsProcessor
 from edgerl.edge_server.llm_policy import VLLMPolicyBackend, weights_manifest
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
@@ -239,3 +243,75 @@ def test_a_refused_batch_fails_alone_and_close_stops_the_engine(model_dir: Path)
     with pytest.raises(RuntimeError, match="closed"):
         backend.infer(_obs(1, 9))
     backend.close()  # a second close is harmless
+
+
+class _EngineThreadKilled(BaseException):
+    """Not an Exception: nothing inside the engine loop catches it."""
+
+
+def test_an_engine_thread_that_dies_fails_its_callers_instead_of_hanging(model_dir: Path) -> None:
+    backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, seed=2)
+    assert backend.infer(_obs(2, 10)).actions.shape == (2, 2)
+
+    def killed() -> None:
+        raise _EngineThreadKilled("injected")
+
+    backend.llm.llm_engine.step = killed  # the next engine step kills the thread
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    calls = [pool.submit(backend.infer, _obs(2, seed)) for seed in (11, 12, 13)]
+    pool.shutdown(wait=False)  # a caller left hanging must not hang the test too
+    for call in calls:  # each caller gets an error, none waits forever
+        with pytest.raises(RuntimeError, match=r"engine thread died.*injected"):
+            call.result(timeout=60)
+    backend._engine_thread.join(timeout=10)
+    assert not backend._engine_thread.is_alive()
+    with pytest.raises(RuntimeError, match=r"closed.*engine thread died"):
+        backend.infer(_obs(1, 14))
+    backend.close()  # nothing left to stop: returns at once
+
+
+def _block_processor(rows: int, vocab: int) -> TokenBlockLogitsProcessor:
+    """The processor as the engine builds it, from the two config fields it reads."""
+    config: Any = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=rows),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+    )
+    return TokenBlockLogitsProcessor(config, torch.device("cpu"), False)
+
+
+def _allowed(proc: TokenBlockLogitsProcessor, n: int, vocab: int) -> list[list[int]]:
+    out = proc.apply(torch.zeros(n, vocab))
+    return [torch.nonzero(torch.isfinite(row)).ravel().tolist() for row in out]
+
+
+def test_token_block_processor_follows_requests_through_adds_removes_and_moves() -> None:
+    vocab = 8
+    proc = _block_processor(rows=4, vocab=vocab)
+    block = SamplingParams(extra_args={ALLOWED_RANGE: (2, 5)})
+    other = SamplingParams(extra_args={ALLOWED_RANGE: (6, 8)})
+    free = SamplingParams()
+    every = list(range(vocab))
+    proc.update_state(None)  # no change: nothing to do
+    assert _allowed(proc, 3, vocab) == [every] * 3  # no request has a block yet
+    proc.update_state(
+        BatchUpdate(
+            3, removed=[], added=[(0, block, [], []), (1, free, [], []), (2, other, [], [])], moved=[]
+        )
+    )
+    assert _allowed(proc, 3, vocab) == [[2, 3, 4], every, [6, 7]]
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert _allowed(proc, 3, vocab) == [every, [2, 3, 4], [6, 7]]
+    # request 1 finishes; the batch condenses: the request in row 2 moves to row 1
+    proc.update_state(
+        BatchUpdate(2, removed=[1], added=[], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)])
+    )
+    assert _allowed(proc, 3, vocab) == [every, [6, 7], every]
+    proc.update_state(BatchUpdate(2, removed=[], added=[(1, free, [], [])], moved=[]))  # a row reused
+    assert _allowed(proc, 2, vocab) == [every, every]
+
+
+def test_token_block_processor_rejects_a_malformed_block() -> None:
+    for bad in [(5, 2), (1,), (-1, 3), ("a", "b"), 7]:
+        with pytest.raises(ValueError, match=ALLOWED_RANGE):
+            TokenBlockLogitsProcessor.validate_params(SamplingParams(extra_args={ALLOWED_RANGE: bad}))
+    TokenBlockLogitsProcessor.validate_params(SamplingParams(extra_args={ALLOWED_RANGE: (0, 3)}))
