@@ -260,11 +260,7 @@ class DynamicBatcher:
                 continue
             now = time.monotonic_ns()
             if self._ready(now):
-                batch = self._take()
-                if self._depth == 1:
-                    await self._dispatch(batch, now)
-                else:
-                    self._start(batch, now)
+                self._start(self._take(), now)
                 continue
             self._wake.clear()
             remaining_s = (self._queue[0].enqueued_ns + self.max_delay_ns - now) / 1e9
@@ -275,7 +271,7 @@ class DynamicBatcher:
                 pass
 
     def _start(self, batch: list[_Request], now_ns: int) -> None:
-        """Run a batch beside the running ones (pipelined backends)."""
+        """Run a batch (beside the running ones, up to the backend's ``pipeline_depth``)."""
         task = asyncio.get_running_loop().create_task(self._dispatch(batch, now_ns))
         self._running.add(task)
         self._idle.clear()

@@ -120,12 +120,11 @@ def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
 
 
 class _PipelinedEcho(EchoPolicy):
-    """An echo policy that takes two batches at once and logs what ran beside what."""
+    """An echo policy that takes ``depth`` batches at once and logs what ran beside what."""
 
-    pipeline_depth = 2
-
-    def __init__(self) -> None:
+    def __init__(self, depth: int) -> None:
         super().__init__(4, 2, delay_s=0.2)
+        self.pipeline_depth = depth
         self._lock = threading.Lock()
         self.running = 0
         self.most_running = 0
@@ -147,21 +146,25 @@ class _PipelinedEcho(EchoPolicy):
         return self.running
 
 
-def test_a_pipelined_backend_takes_batches_side_by_side_and_swaps_only_between_them() -> None:
+@pytest.mark.parametrize("depth", [1, 2])
+def test_batches_run_up_to_the_pipeline_depth_at_once_and_swaps_only_between_them(depth: int) -> None:
     async def main() -> None:
-        policy = _PipelinedEcho()
+        policy = _PipelinedEcho(depth)
         b = DynamicBatcher(policy, max_batch_size=4, max_delay_us=0, max_queue_rows=64)
         b.start()
         streams = [b.open_stream(1) for _ in range(3)]
         futures = [b.submit(_obs(4, float(i)), s) for i, s in enumerate(streams[:2])]
-        await asyncio.sleep(0.05)  # both batches are running now
+        await asyncio.sleep(0.05)  # depth 2: both batches are running now; depth 1: the first
         swap = asyncio.ensure_future(b.run_between_batches(policy.swap))
         await asyncio.sleep(0.01)
         futures.append(b.submit(_obs(4, 2.0), streams[2]))  # waits for the swap
         results = await asyncio.wait_for(asyncio.gather(*futures), 5.0)
         assert await swap == 0  # nothing ran beside the swap
-        assert policy.most_running == 2  # the first two batches ran side by side
-        assert sorted(policy.log[:2]) == ["start 0", "start 1"] and policy.log[2:] == ["swap", "start 2"]
+        assert policy.most_running == depth
+        if depth == 2:  # the first two batches ran side by side, then the swap
+            assert sorted(policy.log[:2]) == ["start 0", "start 1"] and policy.log[2:] == ["swap", "start 2"]
+        else:  # the swap came after the running batch and before the waiting one
+            assert policy.log == ["start 0", "swap", "start 1", "start 2"]
         for i, r in enumerate(results):
             np.testing.assert_array_equal(r.actions, float(i))
         await b.close()
