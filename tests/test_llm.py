@@ -249,14 +249,16 @@ class _EngineThreadKilled(BaseException):
     """Not an Exception: nothing inside the engine loop catches it."""
 
 
-def test_an_engine_thread_that_dies_fails_its_callers_instead_of_hanging(model_dir: Path) -> None:
+def test_an_engine_thread_that_dies_fails_its_callers_instead_of_hanging(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, seed=2)
     assert backend.infer(_obs(2, 10)).actions.shape == (2, 2)
 
     def killed() -> None:
         raise _EngineThreadKilled("injected")
 
-    backend.llm.llm_engine.step = killed  # the next engine step kills the thread
+    monkeypatch.setattr(backend.llm.llm_engine, "step", killed)  # the next engine step kills the thread
     pool = concurrent.futures.ThreadPoolExecutor(3)
     calls = [pool.submit(backend.infer, _obs(2, seed)) for seed in (11, 12, 13)]
     pool.shutdown(wait=False)  # a caller left hanging must not hang the test too
