@@ -327,41 +327,6 @@ def test_idle_hook_gets_the_time_until_the_next_tick() -> None:
     assert waits == pytest.approx([0.02, 0.015, 0.01, 0.005] * 2)
 
 
-def test_a_loop_behind_schedule_still_flushes_and_polls_between_slots() -> None:
-    """After a stall the overdue slot runs at once, but only after the host sent and took in."""
-    clock = FakeClock()
-    events: list[object] = []
-    dog0, rec0 = make(clock)
-    dog1, _ = make(clock)
-
-    def stall_once(tick: Tick) -> None:  # dog 0's first tick stalls the loop for 15 ms
-        rec0(tick)
-        if tick.index == 0:
-            clock.advance(0.015)
-
-    dog0.apply = stall_once
-
-    def idle(seconds: float) -> None:
-        events.append(("idle", round(seconds, 6)))
-        clock.advance(seconds)
-
-    loop = ControlLoop(
-        [dog0, dog1], clock=clock, slots=2, after_slot=lambda: events.append("flush"), idle=idle
-    )
-    loop.run_for(2)  # dog 0 due at 0, 20 ms; dog 1 (second slot) due at 10, 30 ms
-    assert events == [
-        "flush",  # before the first slot: nothing queued yet
-        "flush",  # dog 1's slot is 5 ms overdue: still flush, and poll without waiting
-        ("idle", 0.0),
-        "flush",
-        ("idle", 0.005),
-        "flush",
-        ("idle", 0.01),
-        "flush",
-    ]
-    assert [t.time for t in rec0.ticks] == pytest.approx([0.0, PERIOD])
-
-
 def test_samples_ring_keeps_the_last_window() -> None:
     s = Samples(4)
     assert len(s) == 0 and np.isnan(s.percentile_ms(50))

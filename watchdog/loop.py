@@ -42,15 +42,10 @@ class ControlLoop:
     watchdog ``i`` of ``n`` ticks at ``t0 + (i * slots // n) / (slots * hz) + k / hz``.
     Watchdogs of one slot tick back to back; ``slots=n`` (the default) gives
     every watchdog its own slot. ``after_slot`` runs after the ticks that were
-    due together (a host flushes the observations of the slot in one message
-    there); then ``idle(seconds)`` is called until the next slot is due. When
-    the loop runs behind (after a stall), the next slot is due at once: it
-    still gets ``after_slot`` and one ``idle(0.0)``, so a host sends what the
-    slot queued and takes in what arrived meanwhile (answers that came during
-    the stall reach their watchdogs before the overdue ticks run) instead of
-    holding both until the loop has caught up. A tick found more than one
-    period late skips to the next due time on its grid; the skipped ticks are
-    counted as loop deadline misses.
+    due together, before the loop sleeps (a host flushes the observations of
+    the slot in one message there). A tick found more than one period late
+    skips to the next due time on its grid; the skipped ticks are counted as
+    loop deadline misses.
     """
 
     def __init__(
@@ -119,14 +114,10 @@ class ControlLoop:
             heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
         done = 0
-        slot_when: float | None = None  # when the ticks just run were due
         while not self._stop.is_set():
             due = heap[0]
-            if due.when != slot_when:  # a slot ended (ticks due together run back to back)
-                if self.after_slot is not None:
-                    self.after_slot()
-                if self.idle is not None and slot_when is not None and due.when <= self.clock.now():
-                    self.idle(0.0)  # behind: no wait, but what is ready goes out and comes in
+            if self.after_slot is not None and due.when > self.clock.now():
+                self.after_slot()
             if self.idle is None:
                 self.clock.sleep_until(due.when, self._stop)
             else:
@@ -134,7 +125,6 @@ class ControlLoop:
                     self.idle(left)
             if self._stop.is_set():
                 return
-            slot_when = due.when
             now = self.clock.now()
             period = due.dog.config.period_s
             late = int((now - due.when) / period)
