@@ -240,14 +240,18 @@ class VLLMPolicyBackend(PolicyBackend):
                 self._died = f" (its engine thread died: {exc!r})"
             failed = RuntimeError(f"vLLM engine thread died: {exc!r}")
             waiting = [sub for sub, _ in running.values()] + taken
-            while True:
-                try:
-                    waiting.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain(waiting)
             for item in waiting:
                 if item is not None and not item.future.done():
                     item.future.set_exception(failed)
+
+    def _drain(self, into: list[_Work]) -> None:
+        """Move what waits in the inbox to ``into``, without waiting."""
+        while True:
+            try:
+                into.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _serve(self, running: dict[str, tuple[_Submission, int]], taken: list[_Work]) -> None:
         """Own the engine: add the batches that arrive, step while sequences run."""
@@ -262,11 +266,7 @@ class VLLMPolicyBackend(PolicyBackend):
             taken.clear()
             if not (running or stopping):
                 taken.append(self._inbox.get())  # idle: wait for work
-            while True:
-                try:
-                    taken.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._drain(taken)
             for item in taken:
                 if item is None:
                     stopping = True
