@@ -10,7 +10,8 @@ Hugging Face model:
 - the hidden state at position ``P - 1 + j`` (``P`` prompt tokens) gives the
   logits of action token ``j``; only the 256 rows of the output matrix that
   belong to the action block are multiplied, which equals masking every other
-  token to ``-inf`` as ``allowed_token_ids`` does;
+  token to ``-inf`` as the served engine does
+  (``edgerl.edge_server.llm_logits``);
 - the hidden state of the last prompt token feeds a linear value head (the
   usual choice for PPO on language models; it shares the trunk).
 
