@@ -29,20 +29,21 @@ if TYPE_CHECKING:
 ALLOWED_RANGE = "edgerl_allowed_range"
 
 
-def _allowed_range(params: SamplingParams) -> tuple[int, int] | None:
-    block: Any = (params.extra_args or {}).get(ALLOWED_RANGE)
-    if block is None:
-        return None
-    lo, hi = block
-    return int(lo), int(hi)
+def _block(params: SamplingParams) -> Any:
+    """The request's ``(lo, hi)`` as given, or None when it has none."""
+    return (params.extra_args or {}).get(ALLOWED_RANGE)
 
 
 class TokenBlockLogitsProcessor(LogitsProcessor):
-    """Sets every logit outside a request's ``[lo, hi)`` block of token ids to ``-inf``."""
+    """Sets every logit outside a request's ``[lo, hi)`` block of token ids to ``-inf``.
+
+    One mask row per batch row (True: blocked); a row whose request has no block
+    is all False, so the masked fill leaves it as it is.
+    """
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        block = (sampling_params.extra_args or {}).get(ALLOWED_RANGE)
+        block = _block(sampling_params)
         if block is None:
             return
         if not (
@@ -57,9 +58,9 @@ class TokenBlockLogitsProcessor(LogitsProcessor):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         rows = vllm_config.scheduler_config.max_num_seqs
-        self._vocab = vllm_config.model_config.get_vocab_size()
-        self._blocked = torch.zeros(rows, self._vocab, dtype=torch.bool, device=device)
-        self._rows: set[int] = set()  # batch rows that carry a block
+        self._blocked = torch.zeros(
+            rows, vllm_config.model_config.get_vocab_size(), dtype=torch.bool, device=device
+        )
 
     def is_argmax_invariant(self) -> bool:
         return False  # it changes which token is most likely
@@ -68,40 +69,19 @@ class TokenBlockLogitsProcessor(LogitsProcessor):
         if batch_update is None:
             return
         for index in batch_update.removed:
-            self._clear(index)
+            self._blocked[index] = False
         for index, params, _, _ in batch_update.added:
-            block = _allowed_range(params)
-            if block is None:
-                self._clear(index)
-                continue
-            lo, hi = block
-            self._blocked[index] = True
-            self._blocked[index, lo : min(hi, self._vocab)] = False
-            self._rows.add(index)
+            block = _block(params)
+            self._blocked[index] = block is not None
+            if block is not None:
+                self._blocked[index, block[0] : block[1]] = False
         for a, b, direction in batch_update.moved:
             if direction == MoveDirectionality.SWAP:
                 self._blocked[[a, b]] = self._blocked[[b, a]]
-                in_a, in_b = a in self._rows, b in self._rows
-                self._set_row(a, in_b)
-                self._set_row(b, in_a)
             else:  # a moves to b
                 self._blocked[b] = self._blocked[a]
-                self._set_row(b, a in self._rows)
-                self._clear(a)
+                self._blocked[a] = False
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self._rows:
-            return logits
         n, width = logits.shape
         return logits.masked_fill_(self._blocked[:n, :width], float("-inf"))
-
-    def _clear(self, index: int) -> None:
-        if index in self._rows:
-            self._blocked[index] = False
-            self._rows.discard(index)
-
-    def _set_row(self, index: int, present: bool) -> None:
-        if present:
-            self._rows.add(index)
-        else:
-            self._rows.discard(index)
