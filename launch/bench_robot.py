@@ -65,6 +65,9 @@ class BenchRobotConfig:
     ~2.5-3.6 ms against ~1.6 ms)."""
     robots_per_slot: int = 8
     """Robots ticked back to back in a process (see RobotRunnerConfig)."""
+    poll_behind_ms: float = 0.0
+    """Serve the stream at least this often while a control loop runs behind (ms; 0: off; see
+    RobotRunnerConfig.poll_behind_s)."""
     realtime_priority: int = 0
     """SCHED_FIFO priority of the control threads (0: normal scheduling)."""
     warmup_s: float = 3.0
@@ -96,6 +99,8 @@ class BenchRobotConfig:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
         if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0 or self.baseline_s < 0:
             raise ValueError("need duration_s > 0, and warmup_s, kill_server_s and baseline_s >= 0")
+        if self.poll_behind_ms < 0:
+            raise ValueError(f"poll_behind_ms must be >= 0 (0: off), got {self.poll_behind_ms}")
 
 
 def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:
@@ -114,6 +119,7 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
             hz=cfg.hz, deadline_s=cfg.deadline_ms / 1e3, fallback=cfg.fallback, estop_after=cfg.estop_after
         ),
         robots_per_slot=cfg.robots_per_slot,
+        poll_behind_s=cfg.poll_behind_ms / 1e3,
         refill_at=cfg.refill_at,
         realtime_priority=cfg.realtime_priority,
         faults=LinkFaults(cfg.delay_ms, cfg.jitter_ms, cfg.drop, seed=cfg.seed + first),

@@ -63,8 +63,22 @@ def precise_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.SelectorEventLoop(selectors.SelectSelector())
 
 
+POLL_ITERATIONS = 3
+"""Event-loop iterations of a poll (``run_loop_for(loop, 0)``): one takes in the answers and
+wakes the sender, the next writes and hands the answers to the robots."""
+
+
 def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
-    """Run ``loop`` for ``seconds`` (the control loop's idle time between two slots)."""
+    """Run ``loop`` for ``seconds`` (the control loop's idle time between two slots).
+
+    With ``seconds <= 0`` (the control loop is behind), run only what is ready,
+    for :data:`POLL_ITERATIONS` iterations, without waiting for anything.
+    """
+    if seconds <= 0:
+        for _ in range(POLL_ITERATIONS):
+            loop.call_soon(loop.stop)
+            loop.run_forever()
+        return
     timer = loop.call_later(seconds, loop.stop)
     loop.run_forever()
     timer.cancel()
@@ -117,6 +131,13 @@ class RobotRunnerConfig:
     realtime_priority: int = 0
     """SCHED_FIFO priority (1-99) of the control thread; 0: normal scheduling. Needs CAP_SYS_NICE
     (e.g. root); without it the loop runs normally and says so once."""
+    poll_behind_s: float = 0.0
+    """While the control loop runs behind, serve the stream (send what the robots queued, take
+    in the answers) at least this often (seconds); 0: only once the loop has caught up.
+
+    Fewer fallbacks, more skipped ticks: 100 robots at 50 Hz in a noisy spell, 4 pairs side by
+    side, 0.005 gave 1.3-4.6 % fallbacks against 5.9-8.3 %, and 969-2,076 loop deadline misses
+    against 602-975."""
     robots_per_slot: int = 8
     """Robots of one host ticked back to back, their observations sent in one message.
 
@@ -129,6 +150,8 @@ class RobotRunnerConfig:
             raise ValueError(f"robots_per_slot must be >= 1, got {self.robots_per_slot}")
         if self.refill_at < 0:
             raise ValueError(f"refill_at must be >= 0, got {self.refill_at}")
+        if self.poll_behind_s < 0:
+            raise ValueError(f"poll_behind_s must be >= 0, got {self.poll_behind_s}")
         if self.timeout_s <= 0 or self.connect_timeout_s < 0:
             raise ValueError("timeout_s must be > 0 and connect_timeout_s >= 0")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
@@ -387,6 +410,7 @@ class RobotHost:
             after_slot=self._outbox.flush,
             idle=functools.partial(run_loop_for, self._loop),
             realtime_priority=config.realtime_priority,
+            poll_behind_s=config.poll_behind_s,
         )
         self._stopping: asyncio.Event | None = None
         self._task: asyncio.Future[None] | None = None

@@ -16,6 +16,7 @@ from edgerl.launch.cli import main
 from edgerl.models import build_policy
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
 from edgerl.robot_client.runner import (
+    POLL_ITERATIONS,
     LinkFaults,
     RobotHost,
     RobotRunnerConfig,
@@ -242,17 +243,25 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     code = main(
         ["bench", "robot", "--robots", "4", "--hz", "50", "--policy", "mlp-small", "--warmup-s", "1",
          "--seconds", "2", "--sync-loop-s", "1", "--kill-server-s", "1", "--baseline-s", "0.5",
-         "--json", str(out)]
+         "--poll-behind-ms", "5", "--json", str(out)]
     )  # fmt: skip
     assert code == 0
     r = json.loads(out.read_text())
     c = r["config"]  # every flag reached the config, --seconds as duration_s
-    assert (c["robots"], c["policy"], c["duration_s"], c["baseline_s"], c["fallback"]) == (
+    assert (
+        c["robots"],
+        c["policy"],
+        c["duration_s"],
+        c["baseline_s"],
+        c["fallback"],
+        c["poll_behind_ms"],
+    ) == (
         4,
         "mlp-small",
         2,
         0.5,
         "hold",
+        5.0,
     )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
@@ -290,5 +299,28 @@ def test_the_control_loops_idle_time_serves_the_stream_and_never_ends_early() ->
             run_loop_for(loop, seconds)
             assert time.monotonic() - t0 >= seconds
             assert ran == ["ready", "halfway"], (seconds, ran)
+    finally:
+        loop.close()
+
+
+def test_run_loop_for_zero_runs_only_what_is_ready() -> None:
+    loop = precise_event_loop()
+    steps: list[int] = []
+    woke: list[bool] = []
+
+    async def chain() -> None:
+        for i in range(POLL_ITERATIONS + 2):
+            steps.append(i)
+            await asyncio.sleep(0)
+
+    try:
+        task = loop.create_task(chain())
+        loop.call_later(0.5, woke.append, True)
+        t0 = time.perf_counter()
+        run_loop_for(loop, 0.0)
+        assert time.perf_counter() - t0 < 0.25  # did not wait for the timer
+        assert woke == [] and steps == list(range(POLL_ITERATIONS))  # one step per iteration
+        run_loop_for(loop, 0.6)
+        assert woke == [True] and task.done()
     finally:
         loop.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -325,6 +326,52 @@ def test_idle_hook_gets_the_time_until_the_next_tick() -> None:
     assert [t.scheduled for t in rec.ticks] == pytest.approx([0.0, PERIOD, 2 * PERIOD])
     assert [t.time for t in rec.ticks] == pytest.approx([0.0, PERIOD, 2 * PERIOD])
     assert waits == pytest.approx([0.02, 0.015, 0.01, 0.005] * 2)
+
+
+def _stalled_loop(poll_behind_s: float) -> tuple[list[float], list[float], int]:
+    """Four watchdogs in four slots, each tick taking 4 ms, and one 30 ms stall in the second
+    period: the loop runs behind for several slots. Returns the clock times of the polls
+    (``idle(0.0)``) and of ``after_slot``, and the ticks run."""
+    clock = FakeClock()
+    stalled: list[bool] = []
+    ticks: list[Tick] = []
+
+    def slow(tick: Tick) -> None:
+        ticks.append(tick)
+        if tick.index == 1 and not stalled:
+            stalled.append(True)
+            clock.advance(0.03)
+        clock.advance(0.004)
+
+    config = WatchdogConfig(hz=HZ, deadline_s=0.015)
+    dogs = [Watchdog([-1.0], [1.0], slow, config, clock=clock) for _ in range(4)]
+    polls: list[float] = []
+    slots: list[float] = []
+
+    def idle(seconds: float) -> None:
+        if seconds == 0.0:
+            polls.append(clock.now())
+        clock.advance(seconds)
+
+    after_slot = lambda: slots.append(clock.now())  # noqa: E731
+    ControlLoop(dogs, clock=clock, idle=idle, after_slot=after_slot, poll_behind_s=poll_behind_s).run_for(4)
+    return polls, slots, len(ticks)
+
+
+def test_loop_behind_polls_only_when_asked_and_at_most_every_poll_behind_s() -> None:
+    polls, slots, ticks = _stalled_loop(0.0)
+    assert polls == []  # off: nothing is served between overdue slots
+    polls_on, slots_on, ticks_on = _stalled_loop(0.006)
+    assert ticks_on == ticks == 16
+    assert len(polls_on) >= 2  # behind for several slots, the stream was served meanwhile
+    assert all(b - a >= 0.006 for a, b in itertools.pairwise(polls_on))
+    assert len(slots_on) == len(slots) + len(polls_on)  # each poll first flushes what was queued
+
+
+def test_control_loop_rejects_negative_poll_behind() -> None:
+    dog, _ = make(FakeClock())
+    with pytest.raises(ValueError, match="poll_behind_s"):
+        ControlLoop([dog], poll_behind_s=-0.001)
 
 
 def test_samples_ring_keeps_the_last_window() -> None:

@@ -43,9 +43,19 @@ class ControlLoop:
     Watchdogs of one slot tick back to back; ``slots=n`` (the default) gives
     every watchdog its own slot. ``after_slot`` runs after the ticks that were
     due together, before the loop sleeps (a host flushes the observations of
-    the slot in one message there). A tick found more than one period late
-    skips to the next due time on its grid; the skipped ticks are counted as
-    loop deadline misses.
+    the slot in one message there); then ``idle(seconds)`` is called until the
+    next slot is due. A tick found more than one period late skips to the
+    next due time on its grid; the skipped ticks are counted as loop deadline
+    misses.
+
+    While the loop runs behind (after a stall every slot is due at once, so
+    there is no idle time), a host's stream goes unserved until the loop has
+    caught up: on a noisy machine up to 130 ms, with every robot falling back
+    meanwhile. With ``poll_behind_s > 0``, ``after_slot`` and one
+    ``idle(0.0)`` still run that often while behind, so a host sends what
+    its robots queued and takes in the answers that came meanwhile. That
+    trades fallbacks for skipped ticks (the loop catches up more slowly), so
+    it is off by default.
     """
 
     def __init__(
@@ -58,6 +68,7 @@ class ControlLoop:
         after_slot: Callable[[], None] | None = None,
         idle: Callable[[float], None] | None = None,
         realtime_priority: int = 0,
+        poll_behind_s: float = 0.0,
     ) -> None:
         if not watchdogs:
             raise ValueError("a control loop needs at least one watchdog")
@@ -70,6 +81,9 @@ class ControlLoop:
         if not 0 <= realtime_priority <= 99:
             raise ValueError(f"realtime_priority must be in [0, 99], got {realtime_priority}")
         self.realtime_priority = realtime_priority
+        if poll_behind_s < 0:
+            raise ValueError(f"poll_behind_s must be >= 0 (0: never while behind), got {poll_behind_s}")
+        self.poll_behind_s = poll_behind_s
         self.clock: Clock = clock or self.watchdogs[0].clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -114,15 +128,24 @@ class ControlLoop:
             heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
         done = 0
+        served = start  # when the idle hook last ran
         while not self._stop.is_set():
             due = heap[0]
-            if self.after_slot is not None and due.when > self.clock.now():
-                self.after_slot()
-            if self.idle is None:
-                self.clock.sleep_until(due.when, self._stop)
-            else:
-                while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
-                    self.idle(left)
+            now = self.clock.now()
+            if due.when > now:
+                if self.after_slot is not None:
+                    self.after_slot()
+                if self.idle is None:
+                    self.clock.sleep_until(due.when, self._stop)
+                else:
+                    while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
+                        self.idle(left)
+                    served = self.clock.now()
+            elif self.idle is not None and self.poll_behind_s and now - served >= self.poll_behind_s:
+                if self.after_slot is not None:
+                    self.after_slot()
+                self.idle(0.0)  # behind: no wait, but what is ready goes out and comes in
+                served = self.clock.now()
             if self._stop.is_set():
                 return
             now = self.clock.now()
