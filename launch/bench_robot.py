@@ -218,6 +218,7 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
     jitter = np.concatenate([r["jitter_s"] for r in robots])
     latency = np.concatenate([r["latency_s"] for r in robots])
     rates = [r["ticks"] / seconds for r in robots]
+    misses = sum(r["loop_deadline_misses"] for r in robots)
     return {
         "latency_ms_p50": _pct(latency, 50),
         "latency_ms_p99": _pct(latency, 99),
@@ -229,7 +230,10 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
         "ticks": ticks,
         "fallbacks": fallbacks,
         "late_actions": sum(r["late_actions"] for r in robots),
-        "loop_deadline_misses": sum(r["loop_deadline_misses"] for r in robots),
+        "loop_deadline_misses": misses,
+        # of the control periods due (ticks run + ticks skipped), those that applied a fresh
+        # policy action: a fallback and a skipped tick both leave a robot without one
+        "fresh_action_rate": (ticks - fallbacks) / (ticks + misses) if ticks else math.nan,
         "estops": sum(r["estops"] for r in robots),
         "dropped_injected": sum(r["dropped"] for r in robots),
         "seconds": seconds,

@@ -265,7 +265,12 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
-    assert r["steady"]["ticks"] >= 4 * 2 * 50 * 0.95
+    st = r["steady"]
+    assert st["ticks"] >= 4 * 2 * 50 * 0.95
+    # the periods due are the ticks run and the ticks skipped; fresh ones are neither fallbacks nor skipped
+    due = st["ticks"] + st["loop_deadline_misses"]
+    assert st["fresh_action_rate"] == pytest.approx((st["ticks"] - st["fallbacks"]) / due)
+    assert 0.5 < st["fresh_action_rate"] <= 1.0
     assert r["latency_ms_p50"] < 20.0
     o = r["outage"]
     assert o["robots"] == 4 and o["robots_kept_rate"] == 4 and o["robots_fell_back"] == 4

@@ -54,8 +54,8 @@ class ControlLoop:
     meanwhile. With ``poll_behind_s > 0``, ``after_slot`` and one
     ``idle(0.0)`` still run that often while behind, so a host sends what
     its robots queued and takes in the answers that came meanwhile. That
-    trades fallbacks for skipped ticks (the loop catches up more slowly), so
-    it is off by default.
+    trades fallbacks for later and skipped ticks (the network work that
+    piled up runs in front of overdue ticks), so it is off by default.
     """
 
     def __init__(
