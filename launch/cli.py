@@ -255,13 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
     p.add_argument(
-        "--poll-behind-ms",
-        type=float,
-        default=0.0,
-        help="while a control loop runs behind, serve the stream at least this often "
-        "(ms; 0: off; fewer fallbacks, more skipped ticks)",
-    )
-    p.add_argument(
         "--realtime-priority", type=int, default=0, help="SCHED_FIFO priority of the control threads (0: off)"
     )
     p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")

@@ -25,7 +25,7 @@ DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> None:
     """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
-    e-stop and when to ask for new actions."""
+    e-stop, when to ask for new actions and whether to serve the stream while behind."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
@@ -36,6 +36,13 @@ def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> N
         help="consecutive fallbacks that latch an e-stop (0: never)",
     )
     p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
+    p.add_argument(
+        "--poll-behind-ms",
+        type=float,
+        default=0.0,
+        help="while a control loop runs behind, serve the stream at least this often "
+        "(ms; 0: off; fewer fallbacks, later and skipped ticks)",
+    )
 
 
 def add_fault_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +116,7 @@ def runner_config(a: argparse.Namespace) -> RobotRunnerConfig:
             safe_pose=pose,
         ),
         refill_at=a.refill_at,
+        poll_behind_s=a.poll_behind_ms / 1e3,
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
     )
 

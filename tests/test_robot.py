@@ -238,6 +238,18 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert "edgerl robot: ticks" in capsys.readouterr().out
 
 
+def test_edgerl_robot_poll_behind_flag_reaches_the_runner() -> None:
+    from edgerl.launch.cli import build_parser
+    from edgerl.launch.robot import runner_config
+
+    parser = build_parser()
+    assert runner_config(parser.parse_args(["robot"])).poll_behind_s == 0.0  # off by default
+    cfg = runner_config(parser.parse_args(["robot", "--poll-behind-ms", "5"]))
+    assert cfg.poll_behind_s == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="poll_behind_s"):
+        runner_config(parser.parse_args(["robot", "--poll-behind-ms", "-1"]))
+
+
 def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
     out = tmp_path / "robot.json"
     code = main(
