@@ -87,6 +87,14 @@ class _Call:
 _Work: TypeAlias = _Submission | _Call | None
 
 
+def _fail(items: list[_Work], exc: BaseException) -> None:
+    """Fail every batch or call in ``items`` that has no answer yet (a batch may be listed
+    once per sequence)."""
+    for item in items:
+        if item is not None and not item.future.done():
+            item.future.set_exception(exc)
+
+
 class VLLMPolicyBackend(PolicyBackend):
     """A causal LM (a local Hugging Face folder) as a policy, generating action tokens with vLLM.
 
@@ -238,12 +246,9 @@ class VLLMPolicyBackend(PolicyBackend):
             with self._inbox_lock:
                 self._closed = True
                 self._died = f" (its engine thread died: {exc!r})"
-            failed = RuntimeError(f"vLLM engine thread died: {exc!r}")
             waiting = [sub for sub, _ in running.values()] + taken
             self._drain(waiting)
-            for item in waiting:
-                if item is not None and not item.future.done():
-                    item.future.set_exception(failed)
+            _fail(waiting, RuntimeError(f"vLLM engine thread died: {exc!r}"))
 
     def _drain(self, into: list[_Work]) -> None:
         """Move what waits in the inbox to ``into``, without waiting."""
@@ -297,9 +302,7 @@ class VLLMPolicyBackend(PolicyBackend):
             except Exception as exc:  # every running batch fails; the engine keeps serving
                 log.exception("vLLM engine step failed")
                 engine.abort_request(list(running))
-                for sub, _ in running.values():
-                    if not sub.future.done():
-                        sub.future.set_exception(exc)
+                _fail([sub for sub, _ in running.values()], exc)
                 running.clear()
                 continue
             for out in outputs:

@@ -140,7 +140,7 @@ class ControlLoop:
                 else:
                     while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
                         self.idle(left)
-                    served = self.clock.now()
+                    served = due.when  # the idle hook ran until then
             elif self.idle is not None and self.poll_behind_s and now - served >= self.poll_behind_s:
                 if self.after_slot is not None:
                     self.after_slot()
