@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import PolicySpec, ServerProcess, configure_logging
+from edgerl.launch.robot import parse_cpus
 from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
@@ -65,11 +67,14 @@ class BenchRobotConfig:
     ~2.5-3.6 ms against ~1.6 ms)."""
     robots_per_slot: int = 8
     """Robots ticked back to back in a process (see RobotRunnerConfig)."""
-    poll_behind_ms: float = 0.0
-    """Serve the stream at least this often while a control loop runs behind (ms; 0: off; see
-    RobotRunnerConfig.poll_behind_s)."""
     realtime_priority: int = 0
     """SCHED_FIFO priority of the control threads (0: normal scheduling)."""
+    network_process: bool = False
+    """The robots' streams in network processes (RobotRunnerConfig.network_process)."""
+    control_cpu: str = "auto"
+    """CPUs kept for the control threads, one per robot process ("1" or "2,3"): the server and
+    the robots' network processes run on the others. "auto": with network processes, the last
+    CPUs of the machine, one per robot process, if some are left over; else none. "off": none."""
     warmup_s: float = 3.0
     duration_s: float = 20.0
     """Steady-state measurement (seconds)."""
@@ -97,10 +102,38 @@ class BenchRobotConfig:
     def __post_init__(self) -> None:
         if self.robots < 1 or not 1 <= self.processes <= self.robots:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
+        control_cpus(self.control_cpu, self.processes, self.network_process)  # fails naming the field
         if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0 or self.baseline_s < 0:
             raise ValueError("need duration_s > 0, and warmup_s, kill_server_s and baseline_s >= 0")
-        if self.poll_behind_ms < 0:
-            raise ValueError(f"poll_behind_ms must be >= 0 (0: off), got {self.poll_behind_ms}")
+
+    def server_cpus(self) -> frozenset[int] | None:
+        """The CPUs of the server and the network processes (None: any)."""
+        return other_cpus(control_cpus(self.control_cpu, self.processes, self.network_process))
+
+
+def control_cpus(spec: str, processes: int, network_process: bool = True) -> list[int]:
+    """The CPUs kept for the control threads (``BenchRobotConfig.control_cpu``); [] for none.
+
+    Raises:
+        ValueError: ``spec`` is not "auto", "off" or CPU numbers, one per process, of this machine.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "off":
+        return []
+    if spec == "auto":
+        return allowed[-processes:] if network_process and len(allowed) > processes else []
+    cpus = list(parse_cpus(spec, 'control_cpu ("auto", "off" or CPUs)'))
+    if len(cpus) != processes or len(set(cpus)) != processes or not set(cpus) <= set(allowed):
+        raise ValueError(
+            f"control_cpu needs {processes} distinct CPUs of {allowed} (one per process), got {spec!r}"
+        )
+    return cpus
+
+
+def other_cpus(cpus: list[int]) -> frozenset[int] | None:
+    """The CPUs of the server and the network processes when ``cpus`` are kept for the control
+    threads (None: any)."""
+    return frozenset(os.sched_getaffinity(0)) - set(cpus) if cpus else None
 
 
 def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:
@@ -119,9 +152,10 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
             hz=cfg.hz, deadline_s=cfg.deadline_ms / 1e3, fallback=cfg.fallback, estop_after=cfg.estop_after
         ),
         robots_per_slot=cfg.robots_per_slot,
-        poll_behind_s=cfg.poll_behind_ms / 1e3,
         refill_at=cfg.refill_at,
         realtime_priority=cfg.realtime_priority,
+        network_process=cfg.network_process,
+        network_cpus=tuple(sorted(cfg.server_cpus() or ())) if cfg.network_process else (),
         faults=LinkFaults(cfg.delay_ms, cfg.jitter_ms, cfg.drop, seed=cfg.seed + first),
         connect_timeout_s=60.0,
     )
@@ -248,12 +282,13 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         progress(f"baseline: {cfg.robots // cfg.processes} robots in a plain loop for {cfg.baseline_s:g}s")
         baseline = baseline_loop(cfg)
     policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model)
+    server_cpus = cfg.server_cpus()
     server = ServerProcess(
-        policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level
+        policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level, cpus=server_cpus
     )
     address = server.start()
     fleet = _Fleet(cfg, address)
-    spare = ServerProcess(server.policy, server.config, log_level=cfg.log_level)
+    spare = ServerProcess(server.policy, server.config, log_level=cfg.log_level, cpus=server_cpus)
     try:
         progress(f"starting {cfg.robots} robots in {cfg.processes} processes against {address}")
         fleet.wait_ready()

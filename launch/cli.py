@@ -257,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--realtime-priority", type=int, default=0, help="SCHED_FIFO priority of the control threads (0: off)"
     )
+    p.add_argument(
+        "--control-cpu",
+        default="auto",
+        help='CPUs of the control threads, one per process ("1", "2,3"); "auto": the last CPUs, one per '
+        "process, if some are left for the server and the network processes, which run on the others; "
+        '"off": no pinning',
+    )
     p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
     p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
     p.add_argument(

@@ -158,10 +158,14 @@ def _server_main(
     config: ServerConfig,
     conn: mp.connection.Connection,
     log_level: str,
+    *,
     go: mp.connection.Connection | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
     from edgerl.edge_server.server import serve_until_signal
 
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # before torch and gRPC start threads, which inherit it
     configure_logging(log_level)
     # The parent owns this process: it stops it with SIGTERM; Ctrl-C in the terminal is the parent's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -194,8 +198,11 @@ class ServerProcess:
         *,
         log_level: str = "WARNING",
         start_timeout_s: float = 120.0,
+        cpus: frozenset[int] | None = None,
     ) -> None:
+        """``cpus``: the CPUs the server runs on (None: any)."""
         self.policy = policy
+        self.cpus = cpus
         self.config = config or ServerConfig(port=0)
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
@@ -219,7 +226,8 @@ class ServerProcess:
         go_recv, self._go = _CTX.Pipe(duplex=False) if standby else (None, None)
         self._proc = _CTX.Process(
             target=_server_main,
-            args=(self.policy, config, child, self.log_level, go_recv),
+            args=(self.policy, config, child, self.log_level),
+            kwargs={"go": go_recv, "cpus": self.cpus},
             name="edgerl-server",
             daemon=True,
         )

@@ -25,7 +25,7 @@ DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> None:
     """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
-    e-stop, when to ask for new actions and whether to serve the stream while behind."""
+    e-stop, when to ask for new actions and where the stream runs."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
@@ -37,11 +37,10 @@ def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> N
     )
     p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
     p.add_argument(
-        "--poll-behind-ms",
-        type=float,
-        default=0.0,
-        help="while a control loop runs behind, serve the stream at least this often "
-        "(ms; 0: off; fewer fallbacks, later and skipped ticks)",
+        "--network-process",
+        action="store_true",
+        help="run the stream in a network process of its own instead of on the control thread: "
+        "answers are taken in while the loop runs behind (fewer fallbacks after a stall, more skipped ticks)",
     )
 
 
@@ -68,12 +67,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-delta", type=float, default=None, help="rate limit per tick (default: 25%% of range)"
     )
+    p.add_argument(
+        "--network-cpus",
+        default="",
+        metavar="CPUS",
+        help='with --network-process: its CPUs, e.g. "0" or "0,1" (default: any); leave the control '
+        "thread a CPU of its own, and keep an edge server on the same machine off it too",
+    )
     p.add_argument("--seconds", type=float, default=0.0, help="run time (0: until Ctrl-C)")
     add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
     )
     p.add_argument("--json", metavar="PATH", help="write the final statistics as JSON")
+
+
+def parse_cpus(spec: str, name: str) -> tuple[int, ...]:
+    """``"0,2"`` -> ``(0, 2)``; ``""`` -> ``()``."""
+    try:
+        return tuple(int(c) for c in spec.split(",")) if spec else ()
+    except ValueError:
+        raise ValueError(f'{name}: expected CPU numbers like "0,1", got {spec!r}') from None
 
 
 def _parse_kwargs(items: list[str]) -> dict[str, Any]:
@@ -116,7 +130,8 @@ def runner_config(a: argparse.Namespace) -> RobotRunnerConfig:
             safe_pose=pose,
         ),
         refill_at=a.refill_at,
-        poll_behind_s=a.poll_behind_ms / 1e3,
+        network_process=a.network_process,
+        network_cpus=parse_cpus(a.network_cpus, "--network-cpus"),
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
     )
 

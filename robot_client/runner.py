@@ -6,14 +6,26 @@ the watchdog's action, reads the robot and, when the robot's action queue
 runs low, queues its observation; the observations of the robots that tick
 together (a slot) go out in one message on the host's Act stream.
 
-The stream's asyncio loop runs on that same thread, in the gaps between
-slots, and is stopped at every tick's deadline. It is the host's only Python
-thread (gRPC's C core does the socket work), so no tick ever waits for
-another thread to give up the GIL. With a separate network thread, MuJoCo's
-step and every socket call handed the GIL over and the ticks of 100 robots
-ran up to ~3 ms late at p99 on two cores; on one thread they ran within
-~1.6 ms. The network never holds a tick: nothing in a tick awaits it, and a
-callback runs only until the next deadline comes due.
+By default the stream's asyncio loop runs on that same thread, in the gaps
+between slots, and is stopped at every tick's deadline. It is then the
+host's only Python thread (gRPC's C core does the socket work), so no tick
+ever waits for another thread to give up the GIL: with a separate network
+thread, MuJoCo's step and every socket call handed the GIL over and the ticks
+of 100 robots ran up to ~3 ms late at p99 on two cores. The network never
+holds a tick: nothing in a tick awaits it, and a callback runs only until
+the next deadline comes due. The price: while the loop runs behind after a
+stall, it has no idle time, so no answer is read and no observation is sent
+until it has caught up (10-130 ms on a noisy machine), and every robot falls
+back meanwhile.
+
+With ``network_process=True`` the stream lives in a network process of the
+host's own (:mod:`edgerl.robot_client.netproc`), joined to the control
+thread by a Unix socket pair: after each slot, also while behind, the control
+thread writes the slot's observations to the socket and takes in the answers
+that came meanwhile, without waiting; while no tick is due it waits on the
+socket. The network process reads the answers off the network on its own
+core time. If it ends, a new one starts a second later. Both use one
+:class:`~edgerl.robot_client.keeper.StreamKeeper`.
 
 If the server is slow or gone, answers stop arriving; the watchdogs emit
 fallbacks at their rate, and the stream reconnects with backoff and jitter.
@@ -24,14 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import dataclasses
 import gc
+import heapq
 import logging
 import math
 import os
 import random
+import select
 import selectors
 import socket
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,8 +56,9 @@ from typing import Any
 
 import numpy as np
 
-from edgerl.robot_client import errors
-from edgerl.robot_client.client import ActStream, EdgeClient
+from edgerl.robot_client import netproc
+from edgerl.robot_client.client import Actions
+from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings
 from edgerl.robot_client.robot import Reading, Robot
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
@@ -51,37 +68,12 @@ from edgerl.watchdog.watchdog import Tick, Watchdog, WatchdogConfig
 
 log = logging.getLogger(__name__)
 
-
-def precise_event_loop() -> asyncio.AbstractEventLoop:
-    """An event loop whose waits end on time, for running between control ticks.
-
-    The default loop waits in ``epoll``, whose timeout has whole milliseconds,
-    rounded up: a loop run until the next tick would wake up to a millisecond
-    late, on every tick. ``select`` takes microseconds (and a robot process has
-    few file descriptors, far below its limit of 1024).
-    """
-    return asyncio.SelectorEventLoop(selectors.SelectSelector())
-
-
-POLL_ITERATIONS = 3
-"""Event-loop iterations of a poll (``run_loop_for(loop, 0)``): one takes in the answers and
-wakes the sender, the next writes and hands the answers to the robots."""
-
-
-def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
-    """Run ``loop`` for ``seconds`` (the control loop's idle time between two slots).
-
-    With ``seconds <= 0`` (the control loop is behind), run only what is ready,
-    for :data:`POLL_ITERATIONS` iterations, without waiting for anything.
-    """
-    if seconds <= 0:
-        for _ in range(POLL_ITERATIONS):
-            loop.call_soon(loop.stop)
-            loop.run_forever()
-        return
-    timer = loop.call_later(seconds, loop.stop)
-    loop.run_forever()
-    timer.cancel()
+RECV_BYTES = 1 << 16
+"""Bytes read from the network process's socket per call."""
+MAX_BACKLOG_BYTES = 8 << 20
+"""Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
+RESTART_DELAY_S = 1.0
+"""A network process that ended is replaced after this long (seconds)."""
 
 
 @dataclass(frozen=True)
@@ -131,15 +123,18 @@ class RobotRunnerConfig:
     realtime_priority: int = 0
     """SCHED_FIFO priority (1-99) of the control thread; 0: normal scheduling. Needs CAP_SYS_NICE
     (e.g. root); without it the loop runs normally and says so once."""
-    poll_behind_s: float = 0.0
-    """While the control loop runs behind, serve the stream (send what the robots queued, take
-    in the answers) at least this often (seconds); 0: only once the loop has caught up.
+    network_process: bool = False
+    """Run the stream in a network process of its own instead of on the control thread.
 
-    Fewer fallbacks, but later and skipped ticks: each poll does the network work that piled up
-    in front of overdue ticks. 100 robots at 50 Hz, 0.005 side by side with 0: in a noisy spell
-    1.3-4.6 % fallbacks against 5.9-8.3 %, and 969-2,076 loop deadline misses against 602-975;
-    in a quiet one 0.006-0.65 % against 0.75-1.37 %, and a median robot's tick jitter p99 of
-    3.4-5.6 ms against 2.4-3.6 ms (README, Robots)."""
+    The answers are then read off the network while the control loop is busy, also while it
+    runs behind after a stall, instead of only in its idle time. On two cores shared with the
+    edge server (``edgerl bench robot``, the server and the network process kept off the last
+    CPU), in a noisy spell: 1.2-3.3 % fallbacks against 5.4-12.6 % with the stream on the
+    control thread, but 1.4-2.7x the skipped ticks (README, Robots). Off by default."""
+    network_cpus: tuple[int, ...] = ()
+    """CPUs the network process runs on; empty: any. Leave the control thread a CPU of its own:
+    on two cores shared with the edge server, the control thread, the network process and the
+    server otherwise take turns on both, and the ticks ran later (README, Robots)."""
     robots_per_slot: int = 8
     """Robots of one host ticked back to back, their observations sent in one message.
 
@@ -150,10 +145,16 @@ class RobotRunnerConfig:
     def __post_init__(self) -> None:
         if self.robots_per_slot < 1:
             raise ValueError(f"robots_per_slot must be >= 1, got {self.robots_per_slot}")
+        object.__setattr__(self, "network_cpus", tuple(self.network_cpus))
+        if self.network_cpus and not self.network_process:
+            raise ValueError("network_cpus needs network_process")
+        allowed = os.sched_getaffinity(0)
+        if not set(self.network_cpus) <= allowed:
+            raise ValueError(
+                f"network_cpus {self.network_cpus} are not all among this process's CPUs {sorted(allowed)}"
+            )
         if self.refill_at < 0:
             raise ValueError(f"refill_at must be >= 0, got {self.refill_at}")
-        if self.poll_behind_s < 0:
-            raise ValueError(f"poll_behind_s must be >= 0, got {self.poll_behind_s}")
         if self.timeout_s <= 0 or self.connect_timeout_s < 0:
             raise ValueError("timeout_s must be > 0 and connect_timeout_s >= 0")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
@@ -175,22 +176,295 @@ TickHook = Callable[[int, Tick, Reading, bool], None]
 """Called from the control thread after each tick: (robot index, tick, reading, robot was reset)."""
 
 
-class _Outbox:
-    """Requests of the robots that ticked together, handed to the stream in one message."""
+def precise_event_loop() -> asyncio.AbstractEventLoop:
+    """An event loop whose waits end on time, for running between control ticks.
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[list[tuple[int, _Request]]] = asyncio.Queue()
+    The default loop waits in ``epoll``, whose timeout has whole milliseconds,
+    rounded up: a loop run until the next tick would wake up to a millisecond
+    late, on every tick. ``select`` takes microseconds (and a robot process has
+    few file descriptors, far below its limit of 1024).
+    """
+    return asyncio.SelectorEventLoop(selectors.SelectSelector())
+
+
+def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    """Run ``loop`` for ``seconds`` (the control loop's idle time between two slots)."""
+    timer = loop.call_later(seconds, loop.stop)
+    loop.run_forever()
+    timer.cancel()
+
+
+class _Outbox:
+    """The control thread's side of the host's stream: the robots' requests go out in slot
+    batches, and each answer row goes back to its robot (rows are answered in the order sent).
+
+    Two transports: the stream on the control thread itself (:class:`_ThreadOutbox`, the
+    default) or in a network process (:class:`_ProcessOutbox`). See the module doc.
+    """
+
+    def __init__(self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock) -> None:
+        self.links = links
+        self.settings = settings
+        self.clock = clock
         self.connected = False
+        self.epoch = 0
+        self.reconnects = 0
+        self.messages = 0
+        self.restarts = 0
         self._collected: list[tuple[int, _Request]] = []
+        self._rows: deque[tuple[int, _Request]] = deque()  # sent, in order, not yet answered
+
+    def open(self) -> None:
+        """Start the stream (it connects in the background)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the stream (after the control loop stopped)."""
+        raise NotImplementedError
+
+    def after_slot(self) -> None:
+        """After each slot, also while the loop runs behind: send the slot's observations."""
+        raise NotImplementedError
+
+    def wait(self, seconds: float) -> None:
+        """The control loop has ``seconds`` to spare: serve the stream meanwhile."""
+        raise NotImplementedError
+
+    def _emit(self, rows: ObsRows) -> bool:
+        """Hand ``rows`` to the stream; False if it cannot take them now."""
+        raise NotImplementedError
 
     def post(self, index: int, req: _Request) -> None:
         self._collected.append((index, req))
 
+    def later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn(*args)`` from the control thread in ``delay_s`` (injected link delay)."""
+        raise NotImplementedError
+
     def flush(self) -> None:
-        """Queue the collected requests as one message (after a slot)."""
-        if self._collected:
-            batch, self._collected = self._collected, []
-            self.queue.put_nowait(batch)
+        """Hand the collected requests to the stream as one batch."""
+        if not self._collected:
+            return
+        batch, self._collected = self._collected, []
+        reqs = [r for _, r in batch]
+        rows = ObsRows(
+            self.epoch,
+            np.fromiter((i for i, _ in batch), np.int32, len(batch)),
+            np.stack([r.obs for r in reqs]).reshape(len(reqs), -1),
+            np.fromiter((r.reward for r in reqs), np.float32, len(reqs)),
+            np.array([(r.terminated, r.truncated, r.fallback) for r in reqs], np.uint8),
+        )
+        if not self.connected or not self._emit(rows):
+            for i, _ in batch:  # the stream is down or stuck: these robots fall back and ask again
+                self.links[i].release()
+            return
+        self._rows.extend(batch)
+
+    def _up(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.connected = True
+
+    def _down(self, epoch: int) -> None:
+        self.reconnects += 1
+        self._disconnect()
+
+    def _answer(self, epoch: int, answer: Actions | netproc.AnswerRows) -> None:
+        actions, version, log_probs = answer.actions, answer.policy_version, answer.log_probs
+        n = len(actions)
+        if epoch != self.epoch or n > len(self._rows):
+            log.error("an answer of %d rows for stream %d; %d rows of stream %d are out",
+                      n, epoch, len(self._rows), self.epoch)  # fmt: skip
+            return
+        self.messages += 1
+        rows = self._rows
+        for row in range(n):
+            i, req = rows.popleft()
+            self.links[i].deliver(actions[row], version, float(log_probs[row]), req)
+
+    def _disconnect(self) -> None:
+        """The stream failed: what was sent will not be answered; the robots may ask again."""
+        self.connected = False
+        self._rows.clear()
+        self._collected.clear()
+        for link in self.links:
+            link.release()
+
+
+class _ThreadOutbox(_Outbox):
+    """The stream's asyncio loop runs on the control thread, between slots."""
+
+    def open(self) -> None:
+        self._loop = precise_event_loop()
+        self._keeper = StreamKeeper(self.settings, self._up, self._down, self._answer)
+        self._task = self._loop.create_task(self._keeper.run())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._keeper.stopping.set()
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            self._loop.run_until_complete(asyncio.wait_for(self._task, 5.0))
+        self._loop.close()
+
+    def after_slot(self) -> None:
+        self.flush()
+
+    def wait(self, seconds: float) -> None:
+        run_loop_for(self._loop, seconds)
+        self.flush()  # an episode's last observation, queued behind its answer
+
+    def later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
+        self._loop.call_later(delay_s, fn, *args)
+
+    def _emit(self, rows: ObsRows) -> bool:
+        self._keeper.offer(rows)
+        return True
+
+
+class _ProcessOutbox(_Outbox):
+    """The stream lives in a network process, behind a Unix socket pair."""
+
+    def __init__(self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock) -> None:
+        super().__init__(links, settings, clock)
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out = bytearray()
+        self._in = bytearray()
+        self._restart_at = math.inf
+        self._closing = False
+        self._timers: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._timer_seq = 0
+
+    def open(self) -> None:
+        parent, child = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "edgerl.robot_client.netproc", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+            )
+        finally:
+            child.close()
+        parent.setblocking(False)
+        self._sock = parent
+        self._out = bytearray(netproc.encode_settings(self.settings))
+        self._in.clear()
+        self._restart_at = math.inf
+
+    def close(self) -> None:
+        """The network process sees the socket close, closes its stream and exits."""
+        self._closing = True
+        sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+        if proc is not None:
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if sock is not None:
+            sock.close()
+
+    def after_slot(self) -> None:
+        """Send the slot's observations, take in the answers that came meanwhile."""
+        self.flush()
+        self.pump()
+
+    def wait(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the network process (or an injected delay), then :meth:`pump`."""
+        seconds = self._until_timer(seconds)
+        sock = self._sock
+        if sock is None:
+            time.sleep(max(0.0, min(seconds, self._restart_at - self.clock.now())))
+        elif seconds > 0:
+            select.select([sock], [sock] if self._out else [], [], seconds)
+        self.pump()
+
+    def later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (self.clock.now() + delay_s, self._timer_seq, fn, args))
+
+    def _until_timer(self, seconds: float) -> float:
+        return min(seconds, self._timers[0][0] - self.clock.now()) if self._timers else seconds
+
+    def _run_timers(self) -> None:
+        timers = self._timers
+        if timers:
+            now = self.clock.now()
+            while timers and timers[0][0] <= now:
+                _, _, fn, args = heapq.heappop(timers)
+                fn(*args)
+
+    def _emit(self, rows: ObsRows) -> bool:
+        if len(self._out) > MAX_BACKLOG_BYTES:
+            return False  # the network process is stuck
+        self._out += netproc.encode_obs(rows)
+        self._send()
+        return True
+
+    def _send(self) -> None:
+        if not self._out or self._sock is None:
+            return
+        try:
+            n = self._sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._lost()
+            return
+        del self._out[:n]
+
+    def pump(self) -> None:
+        """Write what is pending, take in what came, run what is due; never waits."""
+        sock = self._sock
+        if sock is None:
+            if not self._closing and self.clock.now() >= self._restart_at:
+                self.open()
+            return
+        self._send()
+        while True:
+            try:
+                data = sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            self._in += data
+            if len(data) < RECV_BYTES:
+                break
+        for payload in netproc.split_frames(self._in):
+            kind = payload[:1]
+            if kind == netproc.ANSWER:
+                answer = netproc.decode_answer(payload)
+                self._answer(answer.epoch, answer)
+            elif kind == netproc.UP:
+                self._up(netproc.decode_state(payload))
+            elif kind == netproc.DOWN:
+                self._down(netproc.decode_state(payload))
+        self._run_timers()
+        self.flush()  # an episode's last observation, queued behind its answer
+
+    def _lost(self) -> None:
+        """The network process exited (or its socket broke): start a new one in a second."""
+        self._disconnect()
+        sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
+        if sock is not None:
+            sock.close()
+        if self._closing:
+            return
+        code = proc.poll() if proc is not None else None
+        if proc is not None and code is None:
+            proc.kill()
+            proc.wait()
+        self.restarts += 1
+        self._out.clear()
+        self._restart_at = self.clock.now() + RESTART_DELAY_S
+        log.error("the robots' network process ended (exit code %s); a new one starts in %.0fs",
+                  code, RESTART_DELAY_S)  # fmt: skip
 
 
 class RobotLink:
@@ -293,15 +567,15 @@ class RobotLink:
         final, self._final = self._final, None
         self._outstanding = final is not None
         if final is not None and self.outbox is not None:
-            self.outbox.queue.put_nowait([(self.index, final)])
+            self.outbox.post(self.index, final)
         self.counts["answers"] += 1
         faults = self.config.faults
         if faults.drop and self._rng.random() < faults.drop:
             self.counts["dropped"] += 1
             return
         delay_s = (faults.delay_ms + self._rng.uniform(0.0, faults.jitter_ms)) / 1e3
-        if delay_s > 0:
-            asyncio.get_running_loop().call_later(delay_s, self._submit, actions, (version, log_prob), req)
+        if delay_s > 0 and self.outbox is not None:
+            self.outbox.later(delay_s, self._submit, actions, (version, log_prob), req)
         else:
             self._submit(actions, (version, log_prob), req)
 
@@ -350,19 +624,17 @@ class RobotHost:
     """Runs robots behind watchdogs on one control thread, with one Act stream (env id = robot index).
 
     The robots tick in slots spread over the period (``robots_per_slot`` per
-    slot); the observations of a slot go out in one message; the stream's
-    asyncio loop runs on the control thread between slots (see the module
-    doc). ``with RobotHost(robots, config) as host: ...``; :meth:`start` waits
-    (up to ``connect_timeout_s``) for the stream, then starts the loop, which
-    runs whether the server is there or not.
+    slot); the observations of a slot go out in one message; the stream lives
+    in the host's network process (see the module doc). ``with
+    RobotHost(robots, config) as host: ...``; :meth:`start` waits (up to
+    ``connect_timeout_s``) for the stream, then starts the loop, which runs
+    whether the server is there or not.
 
     Args:
         robots: the robots, all with the same observation shape and unique names.
         config: link and watchdog settings shared by all of them.
         session_id: the stream's identity (transitions are keyed by it and the
             robot index); default: the robot's name for one robot, else ``host/pid``.
-        client_factory: builds the :class:`EdgeClient`. Default: a channel to
-            ``config.server`` with ``config.security``.
         clock: the control loop's clock.
         on_tick: called after each tick of any robot (control thread).
     """
@@ -373,7 +645,6 @@ class RobotHost:
         config: RobotRunnerConfig,
         *,
         session_id: str = "",
-        client_factory: Callable[[], EdgeClient] | None = None,
         clock: Clock | None = None,
         on_tick: TickHook | None = None,
     ) -> None:
@@ -392,16 +663,20 @@ class RobotHost:
         )
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
-        self._client_factory = client_factory or (
-            lambda: EdgeClient(
-                config.server,
-                timeout_s=config.timeout_s,
-                security=config.security,
-                reconnect_backoff_max_s=config.backoff_max_s,
-            )
+        settings = StreamSettings(
+            server=config.server,
+            session_id=self.session_id,
+            num_envs=len(self.links),
+            obs_shape=self.obs_shape,
+            timeout_s=config.timeout_s,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            security=dataclasses.asdict(config.security) if config.security is not None else None,
+            log_level=logging.getLogger("edgerl").getEffectiveLevel(),
+            cpus=config.network_cpus,
         )
-        self._loop = precise_event_loop()
-        self._outbox = _Outbox()
+        outbox = _ProcessOutbox if config.network_process else _ThreadOutbox
+        self._outbox: _Outbox = outbox(self.links, settings, self.clock)
         for link in self.links:
             link.outbox = self._outbox
         self._control = ControlLoop(
@@ -409,15 +684,10 @@ class RobotHost:
             clock=self.clock,
             name="robot-control",
             slots=slot_count(len(self.links), config.robots_per_slot),
-            after_slot=self._outbox.flush,
-            idle=functools.partial(run_loop_for, self._loop),
+            after_slot=self._outbox.after_slot,
+            idle=self._outbox.wait,
             realtime_priority=config.realtime_priority,
-            poll_behind_s=config.poll_behind_s,
         )
-        self._stopping: asyncio.Event | None = None
-        self._task: asyncio.Future[None] | None = None
-        self.reconnects = 0
-        self.messages = 0
 
     def __enter__(self) -> RobotHost:
         self.start()
@@ -430,12 +700,27 @@ class RobotHost:
     def connected(self) -> bool:
         return self._outbox.connected
 
+    @property
+    def reconnects(self) -> int:
+        """Streams that failed (or could not be opened) since start."""
+        return self._outbox.reconnects
+
+    @property
+    def messages(self) -> int:
+        """Answers (one per message the network process sent) since start."""
+        return self._outbox.messages
+
+    @property
+    def network_restarts(self) -> int:
+        """Times the network process ended and a new one was started."""
+        return self._outbox.restarts
+
     def start(self) -> None:
-        """Open the stream (waiting up to ``connect_timeout_s``), then start the control loop."""
-        self._loop.run_until_complete(self._start())
+        """Start the network process, wait (up to ``connect_timeout_s``) for its stream, start the loop."""
+        self._outbox.open()
         deadline = time.monotonic() + self.config.connect_timeout_s
         while not self._outbox.connected and time.monotonic() < deadline:
-            run_loop_for(self._loop, 0.02)
+            self._outbox.wait(0.02)
         if not self._outbox.connected:
             log.warning(
                 "no stream to %s within %.1fs; the robots run on fallbacks until it connects",
@@ -449,121 +734,17 @@ class RobotHost:
         gc.freeze()
         self._control.start()
 
-    async def _start(self) -> None:
-        self._stopping = asyncio.Event()
-        self._task = asyncio.ensure_future(self._run(self._client_factory(), self._stopping))
-
     @property
     def control_error(self) -> BaseException | None:
         error: BaseException | None = self._control.error
         return error
 
     def stop(self) -> None:
-        """Stop the control loop (robots get no further action), then close the stream."""
+        """Stop the control loop (robots get no further action), then end the network process."""
         self._control.stop()
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self._stop())
-            self._loop.close()
+        self._outbox.close()
         for link in self.links:
             link.robot.close()
 
-    async def _stop(self) -> None:
-        if self._stopping is not None:
-            self._stopping.set()
-        if self._task is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._task, 5.0)
-
     def stats(self) -> list[dict[str, Any]]:
         return [link.stats() for link in self.links]
-
-    # -- the stream (on the control thread, between slots) ---------------------
-
-    async def _run(self, client: EdgeClient, stopping: asyncio.Event) -> None:
-        """Keep the stream open until ``stopping`` is set, reconnecting with backoff and jitter."""
-        cfg = self.config
-        rng = random.Random()
-        backoff = cfg.backoff_initial_s
-        async with client:
-            while not stopping.is_set():
-                stream: ActStream | None = None
-                try:
-                    # A unary call first: auth and shape errors come back with their own status.
-                    await client.describe_for(self.obs_shape, "the robots")
-                    stream = await client.open_stream(
-                        session_id=self.session_id,
-                        num_envs=len(self.links),
-                        obs_shape=self.obs_shape,
-                        max_inflight=len(self.links),
-                        timeout_s=cfg.timeout_s,
-                    )
-                    self._outbox.connected = True
-                    backoff = cfg.backoff_initial_s
-                    await self._serve(stream, stopping)
-                except errors.EdgeRLError as exc:
-                    if stopping.is_set():
-                        break
-                    self.reconnects += 1
-                    level = logging.WARNING if backoff == cfg.backoff_initial_s else logging.DEBUG
-                    log.log(level, "stream to %s failed (%s); reconnecting", cfg.server, exc)
-                finally:
-                    self._outbox.connected = False
-                    if stream is not None:
-                        await stream.close()
-                    while not self._outbox.queue.empty():
-                        self._outbox.queue.get_nowait()
-                    for link in self.links:
-                        link.release()
-                if not stopping.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stopping.wait(), backoff * rng.uniform(0.5, 1.0))
-                    backoff = min(2 * backoff, cfg.backoff_max_s)
-
-    async def _serve(self, stream: ActStream, stopping: asyncio.Event) -> None:
-        pending: deque[list[tuple[int, _Request]]] = deque()
-        sent = asyncio.Event()
-        sender = asyncio.ensure_future(self._send_loop(stream, pending, sent))
-        stop_wait = asyncio.ensure_future(stopping.wait())
-        try:
-            while not stopping.is_set():
-                if not pending:
-                    sent.clear()
-                    sent_wait = asyncio.ensure_future(sent.wait())
-                    await asyncio.wait({sender, stop_wait, sent_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    sent_wait.cancel()
-                    if sender.done():
-                        sender.result()
-                        return
-                    continue
-                answer = await stream.recv(self.config.timeout_s)
-                batch = pending.popleft()
-                for row, (i, req) in enumerate(batch):
-                    self.links[i].deliver(
-                        answer.actions[row], answer.policy_version, float(answer.log_probs[row]), req
-                    )
-        finally:
-            sender.cancel()
-            stop_wait.cancel()
-
-    async def _send_loop(
-        self, stream: ActStream, pending: deque[list[tuple[int, _Request]]], sent: asyncio.Event
-    ) -> None:
-        queue = self._outbox.queue
-        while True:
-            batch = await queue.get()
-            while not queue.empty():
-                batch.extend(queue.get_nowait())
-            reqs = [r for _, r in batch]
-            await stream.send(
-                [i for i, _ in batch],
-                np.stack([r.obs for r in reqs]),
-                [r.reward for r in reqs],
-                [r.terminated for r in reqs],
-                [r.truncated for r in reqs],
-                fallback=[r.fallback for r in reqs],
-            )
-            pending.append(batch)
-            self.messages += 1
-            for i, _ in batch:
-                self.links[i].counts["requests"] += 1
-            sent.set()

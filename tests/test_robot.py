@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -15,19 +14,14 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.cli import main
 from edgerl.models import build_policy
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
-from edgerl.robot_client.runner import (
-    POLL_ITERATIONS,
-    LinkFaults,
-    RobotHost,
-    RobotRunnerConfig,
-    precise_event_loop,
-    run_loop_for,
-)
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
 
 HZ = 50.0
+BOTH_STREAMS = pytest.mark.parametrize("network_process", [False, True], ids=["thread", "process"])
+"""Run a test with the stream on the control thread and in a network process."""
 
 
 class CounterRobot:
@@ -90,10 +84,11 @@ def test_load_robot_errors_name_the_problem() -> None:
         load_robot("collections:OrderedDict")
 
 
-def test_policy_actions_reach_every_robot_in_time() -> None:
+@BOTH_STREAMS
+def test_policy_actions_reach_every_robot_in_time(network_process: bool) -> None:
     robots = [CounterRobot(f"c{i}", rid=i) for i in range(3)]
     with ServerThread(EchoPolicy(3, 2)) as srv:
-        stats = _run(RobotHost(robots, _config(srv.address)), 1.5)
+        stats = _run(RobotHost(robots, _config(srv.address, network_process=network_process)), 1.5)
     for r, s in zip(robots, stats, strict=True):
         assert s["ticks"] >= 60
         assert s["fallbacks"] <= 2, s  # the first tick has nothing to apply yet
@@ -105,12 +100,20 @@ def test_policy_actions_reach_every_robot_in_time() -> None:
         np.testing.assert_allclose(applied[:, 0], np.arange(5, 5 + len(applied)))
 
 
-def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_told() -> None:
+@BOTH_STREAMS
+def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_told(
+    network_process: bool,
+) -> None:
     backend = EchoPolicy(3, 2)
     learner = TransitionConfig(segment_steps=8)
     robot = CounterRobot()
     with ServerThread(backend, learner=learner) as srv:
-        cfg = _config(srv.address, faults=LinkFaults(delay_ms=30.0), watchdog={"estop_after": 0})
+        cfg = _config(
+            srv.address,
+            network_process=network_process,
+            faults=LinkFaults(delay_ms=30.0),
+            watchdog={"estop_after": 0},
+        )
         stats = _run(RobotHost([robot], cfg), 1.5)
 
         def segments() -> list[Any]:
@@ -128,10 +131,16 @@ def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_
     assert len(rows) >= 40 and all(rows)
 
 
-def test_lost_answers_become_fallbacks() -> None:
+@BOTH_STREAMS
+def test_lost_answers_become_fallbacks(network_process: bool) -> None:
     robot = CounterRobot()
     with ServerThread(EchoPolicy(3, 2)) as srv:
-        cfg = _config(srv.address, faults=LinkFaults(drop=0.5, seed=3), watchdog={"estop_after": 0})
+        cfg = _config(
+            srv.address,
+            network_process=network_process,
+            faults=LinkFaults(drop=0.5, seed=3),
+            watchdog={"estop_after": 0},
+        )
         (s,) = _run(RobotHost([robot], cfg), 1.5)
     assert s["answers"] >= 60
     assert 0.3 <= s["dropped"] / s["answers"] <= 0.7
@@ -139,10 +148,13 @@ def test_lost_answers_become_fallbacks() -> None:
     assert abs(s["fallbacks"] - s["dropped"]) <= 3
 
 
-def test_small_injected_latency_is_absorbed() -> None:
+@BOTH_STREAMS
+def test_small_injected_latency_is_absorbed(network_process: bool) -> None:
     robot = CounterRobot()
     with ServerThread(EchoPolicy(3, 2)) as srv:
-        cfg = _config(srv.address, faults=LinkFaults(delay_ms=5.0, jitter_ms=5.0))
+        cfg = _config(
+            srv.address, network_process=network_process, faults=LinkFaults(delay_ms=5.0, jitter_ms=5.0)
+        )
         (s,) = _run(RobotHost([robot], cfg), 1.0)
     # 5-10 ms of delay inside a 20 ms deadline: no tick falls back for it. Allowed: the first
     # tick (nothing to apply yet) and a stall or two of a shared 2-core CI machine (3 were seen
@@ -151,7 +163,8 @@ def test_small_injected_latency_is_absorbed() -> None:
     assert 5.0 <= s["latency_ms_p50"] <= 19.0
 
 
-def test_server_killed_robots_keep_rate_fall_back_and_resume() -> None:
+@BOTH_STREAMS
+def test_server_killed_robots_keep_rate_fall_back_and_resume(network_process: bool) -> None:
     robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
     kinds: list[list[TickKind]] = [[], []]
 
@@ -159,7 +172,11 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume() -> None:
         kinds[i].append(tick.kind)
 
     with ServerThread(EchoPolicy(3, 2)) as srv:
-        host = RobotHost(robots, _config(srv.address, watchdog={"estop_after": 100}), on_tick=record)
+        host = RobotHost(
+            robots,
+            _config(srv.address, network_process=network_process, watchdog={"estop_after": 100}),
+            on_tick=record,
+        )
         with host:
             time.sleep(0.5)
             srv.kill()
@@ -200,12 +217,15 @@ def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -
     np.testing.assert_allclose(robot.applied[-1], [robot.count - 1, 0.0])
 
 
-def test_action_chunks_need_fewer_requests() -> None:
+@BOTH_STREAMS
+def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
     net = build_policy("mlp-small", 3, 2 * 4, seed=0)
     backend = TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
     robot = CounterRobot()
     with ServerThread(backend) as srv:
-        cfg = _config(srv.address, refill_at=1, watchdog={"deadline_s": 0.06})
+        cfg = _config(
+            srv.address, network_process=network_process, refill_at=1, watchdog={"deadline_s": 0.06}
+        )
         (s,) = _run(RobotHost([robot], cfg), 1.5)
     assert s["fallbacks"] <= 2
     assert s["requests"] <= s["ticks"] / 2.5  # a request every 3 ticks, not every tick
@@ -238,24 +258,12 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert "edgerl robot: ticks" in capsys.readouterr().out
 
 
-def test_edgerl_robot_poll_behind_flag_reaches_the_runner() -> None:
-    from edgerl.launch.cli import build_parser
-    from edgerl.launch.robot import runner_config
-
-    parser = build_parser()
-    assert runner_config(parser.parse_args(["robot"])).poll_behind_s == 0.0  # off by default
-    cfg = runner_config(parser.parse_args(["robot", "--poll-behind-ms", "5"]))
-    assert cfg.poll_behind_s == pytest.approx(0.005)
-    with pytest.raises(ValueError, match="poll_behind_s"):
-        runner_config(parser.parse_args(["robot", "--poll-behind-ms", "-1"]))
-
-
 def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
     out = tmp_path / "robot.json"
     code = main(
         ["bench", "robot", "--robots", "4", "--hz", "50", "--policy", "mlp-small", "--warmup-s", "1",
          "--seconds", "2", "--sync-loop-s", "1", "--kill-server-s", "1", "--baseline-s", "0.5",
-         "--poll-behind-ms", "5", "--json", str(out)]
+         "--json", str(out)]
     )  # fmt: skip
     assert code == 0
     r = json.loads(out.read_text())
@@ -266,14 +274,14 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
         c["duration_s"],
         c["baseline_s"],
         c["fallback"],
-        c["poll_behind_ms"],
+        c["control_cpu"],
     ) == (
         4,
         "mlp-small",
         2,
         0.5,
         "hold",
-        5.0,
+        "auto",
     )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
@@ -301,43 +309,3 @@ def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
     backend = TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)
     with pytest.raises(ValueError, match="one action per transition"):
         EdgeServer(backend, ServerConfig(port=0, learner=TransitionConfig()))
-
-
-def test_the_control_loops_idle_time_serves_the_stream_and_never_ends_early() -> None:
-    """Between slots the stream's loop runs on a select() loop (microsecond timeouts)."""
-    loop = precise_event_loop()
-    assert isinstance(loop, asyncio.SelectorEventLoop)
-    try:
-        for seconds in (0.0005, 0.0015, 0.004, 0.0105):
-            ran: list[str] = []
-            loop.call_soon(ran.append, "ready")
-            loop.call_later(seconds / 2, ran.append, "halfway")
-            t0 = time.monotonic()
-            run_loop_for(loop, seconds)
-            assert time.monotonic() - t0 >= seconds
-            assert ran == ["ready", "halfway"], (seconds, ran)
-    finally:
-        loop.close()
-
-
-def test_run_loop_for_zero_runs_only_what_is_ready() -> None:
-    loop = precise_event_loop()
-    steps: list[int] = []
-    woke: list[bool] = []
-
-    async def chain() -> None:
-        for i in range(POLL_ITERATIONS + 2):
-            steps.append(i)
-            await asyncio.sleep(0)
-
-    try:
-        task = loop.create_task(chain())
-        loop.call_later(0.5, woke.append, True)
-        t0 = time.perf_counter()
-        run_loop_for(loop, 0.0)
-        assert time.perf_counter() - t0 < 0.25  # did not wait for the timer
-        assert woke == [] and steps == list(range(POLL_ITERATIONS))  # one step per iteration
-        run_loop_for(loop, 0.6)
-        assert woke == [True] and task.done()
-    finally:
-        loop.close()

@@ -41,21 +41,13 @@ class ControlLoop:
     The watchdogs are split into ``slots`` evenly spread over the period:
     watchdog ``i`` of ``n`` ticks at ``t0 + (i * slots // n) / (slots * hz) + k / hz``.
     Watchdogs of one slot tick back to back; ``slots=n`` (the default) gives
-    every watchdog its own slot. ``after_slot`` runs after the ticks that were
-    due together, before the loop sleeps (a host flushes the observations of
-    the slot in one message there); then ``idle(seconds)`` is called until the
-    next slot is due. A tick found more than one period late skips to the
+    every watchdog its own slot. ``after_slot`` runs after the ticks of each
+    slot, also while the loop runs behind (a robot host sends the slot's
+    observations and takes in the answers that came meanwhile there, without
+    waiting); then, if the next slot is not yet due, ``idle(seconds)`` is
+    called until it is. A tick found more than one period late skips to the
     next due time on its grid; the skipped ticks are counted as loop deadline
     misses.
-
-    While the loop runs behind (after a stall every slot is due at once, so
-    there is no idle time), a host's stream goes unserved until the loop has
-    caught up: on a noisy machine up to 130 ms, with every robot falling back
-    meanwhile. With ``poll_behind_s > 0``, ``after_slot`` and one
-    ``idle(0.0)`` still run that often while behind, so a host sends what
-    its robots queued and takes in the answers that came meanwhile. That
-    trades fallbacks for later and skipped ticks (the network work that
-    piled up runs in front of overdue ticks), so it is off by default.
     """
 
     def __init__(
@@ -68,7 +60,6 @@ class ControlLoop:
         after_slot: Callable[[], None] | None = None,
         idle: Callable[[float], None] | None = None,
         realtime_priority: int = 0,
-        poll_behind_s: float = 0.0,
     ) -> None:
         if not watchdogs:
             raise ValueError("a control loop needs at least one watchdog")
@@ -81,9 +72,6 @@ class ControlLoop:
         if not 0 <= realtime_priority <= 99:
             raise ValueError(f"realtime_priority must be in [0, 99], got {realtime_priority}")
         self.realtime_priority = realtime_priority
-        if poll_behind_s < 0:
-            raise ValueError(f"poll_behind_s must be >= 0 (0: never while behind), got {poll_behind_s}")
-        self.poll_behind_s = poll_behind_s
         self.clock: Clock = clock or self.watchdogs[0].clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -128,24 +116,13 @@ class ControlLoop:
             heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
         done = 0
-        served = start  # when the idle hook last ran
         while not self._stop.is_set():
             due = heap[0]
-            now = self.clock.now()
-            if due.when > now:
-                if self.after_slot is not None:
-                    self.after_slot()
-                if self.idle is None:
-                    self.clock.sleep_until(due.when, self._stop)
-                else:
-                    while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
-                        self.idle(left)
-                    served = due.when  # the idle hook ran until then
-            elif self.idle is not None and self.poll_behind_s and now - served >= self.poll_behind_s:
-                if self.after_slot is not None:
-                    self.after_slot()
-                self.idle(0.0)  # behind: no wait, but what is ready goes out and comes in
-                served = self.clock.now()
+            if self.idle is None:
+                self.clock.sleep_until(due.when, self._stop)
+            else:
+                while not self._stop.is_set() and (left := due.when - self.clock.now()) > 0:
+                    self.idle(left)
             if self._stop.is_set():
                 return
             now = self.clock.now()
@@ -155,12 +132,14 @@ class ControlLoop:
                 due.dog.missed(late)
                 due.index += late
                 due.when = due.t0 + due.index * period
-            due.dog.tick(due.index, due.when, now)
+            slot = due.when
+            due.dog.tick(due.index, slot, now)
             due.index += 1
             due.when = due.t0 + due.index * period
             heapq.heapreplace(heap, due)
             done += 1
-            if max_ticks and done >= max_ticks * n:
-                if self.after_slot is not None:
-                    self.after_slot()
+            last = bool(max_ticks) and done >= max_ticks * n
+            if self.after_slot is not None and (last or heap[0].when != slot):
+                self.after_slot()  # the slot's ticks are done
+            if last:
                 return

@@ -1,0 +1,177 @@
+"""Keeps a robot host's Act stream open: observations in, answers out, reconnects.
+
+One :class:`StreamKeeper` serves a :class:`~edgerl.robot_client.runner.RobotHost`,
+either on the host's control thread (its asyncio loop run between slots) or
+in the host's network process (:mod:`edgerl.robot_client.netproc`). It sends
+what was offered to it, all rows offered meanwhile in one message, and hands
+each answer on in order; the owner matches answers to rows by position.
+Every stream it opens has a new *epoch*; rows offered for another epoch than
+the open stream's are dropped, so rows sent before a reconnect are never
+answered on the next stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import Actions, ActStream, EdgeClient
+from edgerl.robot_client.security import ClientSecurity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Where the stream goes and how it behaves (sent to a network process as JSON)."""
+
+    server: str
+    session_id: str
+    num_envs: int
+    obs_shape: tuple[int, ...]
+    timeout_s: float
+    backoff_initial_s: float
+    backoff_max_s: float
+    security: dict[str, str] | None = None
+    """:class:`ClientSecurity` fields; None: plaintext, no token."""
+    log_level: int = logging.WARNING
+    cpus: tuple[int, ...] = ()
+    """CPUs a network process runs on; empty: any."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObsRows:
+    """Observations of some robots, and what their previous actions earned."""
+
+    epoch: int
+    env_ids: np.ndarray
+    obs: np.ndarray
+    """float32 ``[rows, obs_size]`` (flattened observations)."""
+    rewards: np.ndarray
+    flags: np.ndarray
+    """uint8 ``[rows, 3]``: terminated, truncated, fallback."""
+
+
+class StreamKeeper:
+    """Keeps the Act stream open until :attr:`stopping` is set.
+
+    Args:
+        settings: the stream's address, identity and timing.
+        on_up: called with the epoch of each stream opened.
+        on_down: called with the epoch of each stream that failed (or could not be opened).
+        on_answer: called with the epoch and each answer, in the order of the rows offered.
+    """
+
+    def __init__(
+        self,
+        settings: StreamSettings,
+        on_up: Callable[[int], None],
+        on_down: Callable[[int], None],
+        on_answer: Callable[[int, Actions], None],
+    ) -> None:
+        self.settings = settings
+        self.on_up, self.on_down, self.on_answer = on_up, on_down, on_answer
+        self.epoch = 0
+        self.stopping = asyncio.Event()
+        self._live: asyncio.Queue[ObsRows] | None = None
+
+    def offer(self, rows: ObsRows) -> None:
+        """Queue ``rows`` for the open stream; dropped unless they are of its epoch."""
+        if self._live is not None and rows.epoch == self.epoch:
+            self._live.put_nowait(rows)
+
+    async def run(self) -> None:
+        """Keep the stream open, reconnecting with backoff and jitter."""
+        cfg = self.settings
+        security = ClientSecurity(**cfg.security) if cfg.security is not None else None
+        client = EdgeClient(
+            cfg.server, timeout_s=cfg.timeout_s, security=security, reconnect_backoff_max_s=cfg.backoff_max_s
+        )
+        rng = random.Random()
+        backoff = cfg.backoff_initial_s
+        async with client:
+            while not self.stopping.is_set():
+                stream: ActStream | None = None
+                try:
+                    # A unary call first: auth and shape errors come back with their own status.
+                    await client.describe_for(cfg.obs_shape, "the robots")
+                    stream = await client.open_stream(
+                        session_id=cfg.session_id,
+                        num_envs=cfg.num_envs,
+                        obs_shape=cfg.obs_shape,
+                        max_inflight=cfg.num_envs,
+                        timeout_s=cfg.timeout_s,
+                    )
+                    self.epoch += 1
+                    self._live = asyncio.Queue()
+                    self.on_up(self.epoch)
+                    backoff = cfg.backoff_initial_s
+                    await self._serve(stream, self._live)
+                except errors.EdgeRLError as exc:
+                    self._live = None
+                    if self.stopping.is_set():
+                        break
+                    self.on_down(self.epoch)
+                    level = logging.WARNING if backoff == cfg.backoff_initial_s else logging.DEBUG
+                    log.log(level, "stream to %s failed (%s); reconnecting", cfg.server, exc)
+                finally:
+                    self._live = None
+                    if stream is not None:
+                        await stream.close()
+                if not self.stopping.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
+                    backoff = min(2 * backoff, cfg.backoff_max_s)
+
+    async def _serve(self, stream: ActStream, live: asyncio.Queue[ObsRows]) -> None:
+        pending: deque[int] = deque()
+        sent = asyncio.Event()
+        sender = asyncio.ensure_future(self._send_loop(stream, live, pending, sent))
+        stop_wait = asyncio.ensure_future(self.stopping.wait())
+        try:
+            while not self.stopping.is_set():
+                if not pending:
+                    sent.clear()
+                    sent_wait = asyncio.ensure_future(sent.wait())
+                    await asyncio.wait({sender, stop_wait, sent_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    sent_wait.cancel()
+                    if sender.done():
+                        sender.result()
+                        return
+                    continue
+                answer = await stream.recv(self.settings.timeout_s)
+                pending.popleft()
+                self.on_answer(self.epoch, answer)
+        finally:
+            sender.cancel()
+            stop_wait.cancel()
+
+    async def _send_loop(
+        self, stream: ActStream, live: asyncio.Queue[ObsRows], pending: deque[int], sent: asyncio.Event
+    ) -> None:
+        """Send what was offered, all rows offered meanwhile in one message."""
+        while True:
+            parts = [await live.get()]
+            while not live.empty():
+                parts.append(live.get_nowait())
+            ids = np.concatenate([p.env_ids for p in parts])
+            flags = np.concatenate([p.flags for p in parts]).astype(bool)
+            obs = np.concatenate([p.obs for p in parts])
+            await stream.send(
+                ids.tolist(),
+                obs.reshape(len(ids), *self.settings.obs_shape),
+                np.concatenate([p.rewards for p in parts]),
+                flags[:, 0],
+                flags[:, 1],
+                fallback=flags[:, 2],
+            )
+            pending.append(len(ids))
+            sent.set()

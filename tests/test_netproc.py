@@ -1,0 +1,145 @@
+"""The robot host's network process: its frame codec, and a host that outlives its network process."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from edgerl.robot_client import netproc
+from edgerl.robot_client.keeper import ObsRows, StreamSettings
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
+from tests.helpers import EchoPolicy, ServerThread
+from tests.test_robot import CounterRobot
+
+
+def test_observation_frames_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    ids = np.array([7, 0, 3], np.int32)
+    obs = rng.standard_normal((3, 2, 5)).astype(np.float32)  # any obs shape travels flattened
+    rewards = np.array([1.5, -2.0, 0.25], np.float32)
+    flags = np.array([(1, 0, 0), (0, 1, 1), (0, 0, 0)], np.uint8)
+    data = netproc.encode_obs(ObsRows(9, ids, obs, rewards, flags))
+    (payload,) = netproc.split_frames(bytearray(data))
+    assert payload[:1] == netproc.OBS
+    rows = netproc.decode_obs(payload)
+    assert rows.epoch == 9
+    np.testing.assert_array_equal(rows.env_ids, ids)
+    np.testing.assert_array_equal(rows.obs, obs.reshape(3, 10))
+    np.testing.assert_array_equal(rows.rewards, rewards)
+    np.testing.assert_array_equal(rows.flags, flags)
+
+
+@pytest.mark.parametrize("row_shape", [(6,), (4, 6)])
+def test_answer_frames_round_trip_actions_and_chunks(row_shape: tuple[int, ...]) -> None:
+    actions = np.arange(3 * int(np.prod(row_shape)), dtype=np.float32).reshape(3, *row_shape)
+    log_probs = np.array([-1.0, -2.5, 0.5], np.float32)
+    (payload,) = netproc.split_frames(bytearray(netproc.encode_answer(4, 2**40 + 3, actions, log_probs)))
+    answer = netproc.decode_answer(payload)
+    assert (answer.epoch, answer.policy_version) == (4, 2**40 + 3)
+    np.testing.assert_array_equal(answer.actions, actions)
+    np.testing.assert_array_equal(answer.log_probs, log_probs)
+
+
+def test_split_frames_keeps_a_partial_frame_for_later() -> None:
+    data = netproc.encode_state(netproc.UP, 1) + netproc.encode_state(netproc.DOWN, 2)
+    buffer = bytearray()
+    seen: list[tuple[bytes, int]] = []
+    for i in range(len(data)):  # byte by byte, as a socket may hand them over
+        buffer += data[i : i + 1]
+        seen += [(p[:1], netproc.decode_state(p)) for p in netproc.split_frames(buffer)]
+        if i < len(data) // 2 - 1:
+            assert seen == []
+    assert seen == [(netproc.UP, 1), (netproc.DOWN, 2)] and buffer == bytearray()
+
+
+def test_stream_settings_round_trip_security() -> None:
+    cfg = StreamSettings(
+        server="localhost:1",
+        session_id="host/1",
+        num_envs=3,
+        obs_shape=(2, 5),
+        timeout_s=1.0,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.25,
+        security={"ca": "ca.pem", "cert": "", "key": "", "token": "t", "server_name": ""},
+        log_level=logging.INFO,
+        cpus=(0,),
+    )
+    (payload,) = netproc.split_frames(bytearray(netproc.encode_settings(cfg)))
+    assert payload[:1] == netproc.CONFIG and netproc.decode_settings(payload) == cfg
+
+
+def test_the_child_refuses_a_bad_command_line() -> None:
+    assert netproc.main([]) == 2 and netproc.main(["x"]) == 2
+
+
+def _cpus_of(pid: int) -> set[int]:
+    """The CPUs any thread of process ``pid`` may run on."""
+    return set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")))
+
+
+def test_robots_outlive_their_network_process() -> None:
+    """Killing the network process: the loop keeps its rate on fallbacks, a new process starts
+    a second later, on the CPUs it was given, and the robots are back on policy actions."""
+    robot = CounterRobot()
+    kinds: list[TickKind] = []
+
+    def record(i: int, tick: Tick, reading: object, was_reset: bool) -> None:
+        kinds.append(tick.kind)
+
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, network_cpus=(0,))
+        with RobotHost([robot], cfg, on_tick=record) as host:
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox)
+            time.sleep(0.5)
+            first = outbox._proc
+            assert first is not None and host.connected
+            assert _cpus_of(first.pid) == {0}
+            os.kill(first.pid, signal.SIGKILL)
+            time.sleep(0.5)
+            assert host.network_restarts == 1 and not host.connected
+            time.sleep(1.5)
+            (s,) = host.stats()
+            again = outbox._proc
+            assert host.connected and again is not None and again is not first
+            assert _cpus_of(again.pid) == {0}
+    assert s["ticks"] >= 0.95 * 2.5 * 50  # the loop kept its rate throughout
+    assert s["max_consecutive_fallbacks"] >= 40  # the second without a network process
+    tail = kinds[-25:]
+    assert tail.count(TickKind.POLICY) >= 20, tail
+
+
+def test_network_cpus_must_be_cpus_of_this_process_and_need_a_network_process() -> None:
+    with pytest.raises(ValueError, match="network_cpus"):
+        RobotRunnerConfig(
+            "localhost:1", network_process=True, network_cpus=(max(os.sched_getaffinity(0)) + 1,)
+        )
+    with pytest.raises(ValueError, match="network_cpus needs network_process"):
+        RobotRunnerConfig("localhost:1", network_cpus=(0,))
+
+
+def test_bench_keeps_cpus_for_the_control_threads() -> None:
+    from edgerl.launch.bench_robot import BenchRobotConfig, control_cpus, other_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert control_cpus("off", 1) == [] and other_cpus([]) is None
+    assert control_cpus(str(cpus[0]), 1) == [cpus[0]]
+    if len(cpus) > 1:  # auto: the last CPU for the control thread, the rest for the others
+        assert control_cpus("auto", 1, network_process=True) == [cpus[-1]]
+        assert other_cpus([cpus[-1]]) == frozenset(cpus[:-1])
+        cfg = BenchRobotConfig(network_process=True)
+        assert cfg.server_cpus() == frozenset(cpus[:-1])
+    assert control_cpus("auto", 1, network_process=False) == []  # the stream on the control thread
+    assert BenchRobotConfig().server_cpus() is None
+    assert control_cpus("auto", len(cpus)) == []  # no CPU left over: nothing is pinned
+    for bad in ("x", str(cpus[-1] + 1), f"{cpus[0]},{cpus[0]}"):
+        with pytest.raises(ValueError, match="control_cpu"):
+            BenchRobotConfig(control_cpu=bad, processes=1 if "," not in bad else 2, robots=2)
