@@ -19,6 +19,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -51,7 +52,6 @@ class StreamSettings:
 class ObsRows:
     """Observations of some robots, and what their previous actions earned."""
 
-    epoch: int
     env_ids: np.ndarray
     obs: np.ndarray
     """float32 ``[rows, obs_size]`` (flattened observations)."""
@@ -60,11 +60,16 @@ class ObsRows:
     """uint8 ``[rows, 3]``: terminated, truncated, fallback."""
 
 
-class StreamKeeper:
+Part = TypeVar("Part")
+
+
+class StreamKeeper(Generic[Part]):
     """Keeps the Act stream open until :attr:`stopping` is set.
 
     Args:
         settings: the stream's address, identity and timing.
+        combine: the rows of the parts offered since the last message, in order (called once
+            per message, so that a part costs nothing until it is sent).
         on_up: called with the epoch of each stream opened.
         on_down: called with the epoch of each stream that failed (or could not be opened).
         on_answer: called with the epoch and each answer, in the order of the rows offered.
@@ -73,20 +78,22 @@ class StreamKeeper:
     def __init__(
         self,
         settings: StreamSettings,
+        combine: Callable[[list[Part]], ObsRows],
         on_up: Callable[[int], None],
         on_down: Callable[[int], None],
         on_answer: Callable[[int, Actions], None],
     ) -> None:
         self.settings = settings
+        self.combine = combine
         self.on_up, self.on_down, self.on_answer = on_up, on_down, on_answer
         self.epoch = 0
         self.stopping = asyncio.Event()
-        self._live: asyncio.Queue[ObsRows] | None = None
+        self._live: asyncio.Queue[Part] | None = None
 
-    def offer(self, rows: ObsRows) -> None:
-        """Queue ``rows`` for the open stream; dropped unless they are of its epoch."""
-        if self._live is not None and rows.epoch == self.epoch:
-            self._live.put_nowait(rows)
+    def offer(self, epoch: int, part: Part) -> None:
+        """Queue ``part`` for the open stream; dropped unless ``epoch`` is the open stream's."""
+        if self._live is not None and epoch == self.epoch:
+            self._live.put_nowait(part)
 
     async def run(self) -> None:
         """Keep the stream open, reconnecting with backoff and jitter."""
@@ -131,7 +138,7 @@ class StreamKeeper:
                         await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
                     backoff = min(2 * backoff, cfg.backoff_max_s)
 
-    async def _serve(self, stream: ActStream, live: asyncio.Queue[ObsRows]) -> None:
+    async def _serve(self, stream: ActStream, live: asyncio.Queue[Part]) -> None:
         pending: deque[int] = deque()
         sent = asyncio.Event()
         sender = asyncio.ensure_future(self._send_loop(stream, live, pending, sent))
@@ -155,23 +162,30 @@ class StreamKeeper:
             stop_wait.cancel()
 
     async def _send_loop(
-        self, stream: ActStream, live: asyncio.Queue[ObsRows], pending: deque[int], sent: asyncio.Event
+        self, stream: ActStream, live: asyncio.Queue[Part], pending: deque[int], sent: asyncio.Event
     ) -> None:
-        """Send what was offered, all rows offered meanwhile in one message."""
+        """Send what was offered, all parts offered meanwhile in one message."""
         while True:
             parts = [await live.get()]
             while not live.empty():
                 parts.append(live.get_nowait())
-            ids = np.concatenate([p.env_ids for p in parts])
-            flags = np.concatenate([p.flags for p in parts]).astype(bool)
-            obs = np.concatenate([p.obs for p in parts])
+            rows = self.combine(parts)
+            n = len(rows.env_ids)
             await stream.send(
-                ids.tolist(),
-                obs.reshape(len(ids), *self.settings.obs_shape),
-                np.concatenate([p.rewards for p in parts]),
-                flags[:, 0],
-                flags[:, 1],
-                fallback=flags[:, 2],
+                rows.env_ids.tolist(),
+                rows.obs.reshape(n, *self.settings.obs_shape),
+                rows.rewards,
+                rows.flags[:, 0],
+                rows.flags[:, 1],
+                fallback=rows.flags[:, 2],
             )
-            pending.append(len(ids))
+            pending.append(n)
             sent.set()
+
+
+def concat_rows(parts: list[ObsRows]) -> ObsRows:
+    """The rows of ``parts``, in order, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    fields = ("env_ids", "obs", "rewards", "flags")
+    return ObsRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in fields))

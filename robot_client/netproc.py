@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings
+from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, concat_rows
 
 LENGTH = struct.Struct("<I")
 CONFIG, OBS, UP, DOWN, ANSWER = b"C", b"O", b"U", b"D", b"A"
@@ -56,13 +56,13 @@ def frame(payload: bytes) -> bytes:
     return LENGTH.pack(len(payload)) + payload
 
 
-def encode_obs(rows: ObsRows) -> bytes:
+def encode_obs(epoch: int, rows: ObsRows) -> bytes:
     n = len(rows.env_ids)
     obs = np.ascontiguousarray(rows.obs, np.float32).reshape(n, -1)
     return frame(
         b"".join(
             (
-                _OBS.pack(OBS, rows.epoch, n, obs.shape[1]),
+                _OBS.pack(OBS, epoch, n, obs.shape[1]),
                 np.ascontiguousarray(rows.env_ids, np.int32).tobytes(),
                 obs.tobytes(),
                 np.ascontiguousarray(rows.rewards, np.float32).tobytes(),
@@ -72,7 +72,8 @@ def encode_obs(rows: ObsRows) -> bytes:
     )
 
 
-def decode_obs(payload: bytes) -> ObsRows:
+def decode_obs(payload: bytes) -> tuple[int, ObsRows]:
+    """The epoch and the rows of an ``O`` frame."""
     _, epoch, rows, size = _OBS.unpack_from(payload)
     at = _OBS.size
     ids = np.frombuffer(payload, np.int32, rows, at)
@@ -82,7 +83,7 @@ def decode_obs(payload: bytes) -> ObsRows:
     rewards = np.frombuffer(payload, np.float32, rows, at)
     at += 4 * rows
     flags = np.frombuffer(payload, np.uint8, 3 * rows, at).reshape(rows, 3)
-    return ObsRows(epoch, ids, obs, rewards, flags)
+    return epoch, ObsRows(ids, obs, rewards, flags)
 
 
 def encode_state(kind: bytes, epoch: int) -> bytes:
@@ -176,7 +177,7 @@ async def _main(sock: socket.socket) -> None:
     def state(kind: bytes) -> Callable[[int], None]:
         return lambda epoch: writer.write(encode_state(kind, epoch))
 
-    keeper = StreamKeeper(cfg, state(UP), state(DOWN), answer)
+    keeper = StreamKeeper(cfg, concat_rows, state(UP), state(DOWN), answer)
 
     async def read_control() -> None:
         """Hand the observations on; stop when the control end closes."""
@@ -185,7 +186,7 @@ async def _main(sock: socket.socket) -> None:
                 (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
                 payload = await reader.readexactly(n)
                 if payload[:1] == OBS:
-                    keeper.offer(decode_obs(payload))
+                    keeper.offer(*decode_obs(payload))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

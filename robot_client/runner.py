@@ -194,6 +194,18 @@ def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
     timer.cancel()
 
 
+def _obs_rows(batches: list[list[tuple[int, _Request]]]) -> ObsRows:
+    """The requests of ``batches`` (robot index, request), in order, as arrays."""
+    pairs = [pair for batch in batches for pair in batch]
+    reqs = [r for _, r in pairs]
+    return ObsRows(
+        np.fromiter((i for i, _ in pairs), np.int32, len(pairs)),
+        np.stack([r.obs for r in reqs]).reshape(len(reqs), -1),
+        np.fromiter((r.reward for r in reqs), np.float32, len(reqs)),
+        np.array([(r.terminated, r.truncated, r.fallback) for r in reqs], np.uint8),
+    )
+
+
 class _Outbox:
     """The control thread's side of the host's stream: the robots' requests go out in slot
     batches, and each answer row goes back to its robot (rows are answered in the order sent).
@@ -230,8 +242,8 @@ class _Outbox:
         """The control loop has ``seconds`` to spare: serve the stream meanwhile."""
         raise NotImplementedError
 
-    def _emit(self, rows: ObsRows) -> bool:
-        """Hand ``rows`` to the stream; False if it cannot take them now."""
+    def _emit(self, batch: list[tuple[int, _Request]]) -> bool:
+        """Hand ``batch`` (robot index, request) to the stream; False if it cannot take it now."""
         raise NotImplementedError
 
     def post(self, index: int, req: _Request) -> None:
@@ -246,15 +258,7 @@ class _Outbox:
         if not self._collected:
             return
         batch, self._collected = self._collected, []
-        reqs = [r for _, r in batch]
-        rows = ObsRows(
-            self.epoch,
-            np.fromiter((i for i, _ in batch), np.int32, len(batch)),
-            np.stack([r.obs for r in reqs]).reshape(len(reqs), -1),
-            np.fromiter((r.reward for r in reqs), np.float32, len(reqs)),
-            np.array([(r.terminated, r.truncated, r.fallback) for r in reqs], np.uint8),
-        )
-        if not self.connected or not self._emit(rows):
+        if not self.connected or not self._emit(batch):
             for i, _ in batch:  # the stream is down or stuck: these robots fall back and ask again
                 self.links[i].release()
             return
@@ -295,7 +299,7 @@ class _ThreadOutbox(_Outbox):
 
     def open(self) -> None:
         self._loop = precise_event_loop()
-        self._keeper = StreamKeeper(self.settings, self._up, self._down, self._answer)
+        self._keeper = StreamKeeper(self.settings, _obs_rows, self._up, self._down, self._answer)
         self._task = self._loop.create_task(self._keeper.run())
 
     def close(self) -> None:
@@ -316,8 +320,8 @@ class _ThreadOutbox(_Outbox):
     def later(self, delay_s: float, fn: Callable[..., None], *args: Any) -> None:
         self._loop.call_later(delay_s, fn, *args)
 
-    def _emit(self, rows: ObsRows) -> bool:
-        self._keeper.offer(rows)
+    def _emit(self, batch: list[tuple[int, _Request]]) -> bool:
+        self._keeper.offer(self.epoch, batch)  # made into arrays once per message, when sent
         return True
 
 
@@ -396,10 +400,10 @@ class _ProcessOutbox(_Outbox):
                 _, _, fn, args = heapq.heappop(timers)
                 fn(*args)
 
-    def _emit(self, rows: ObsRows) -> bool:
+    def _emit(self, batch: list[tuple[int, _Request]]) -> bool:
         if len(self._out) > MAX_BACKLOG_BYTES:
             return False  # the network process is stuck
-        self._out += netproc.encode_obs(rows)
+        self._out += netproc.encode_obs(self.epoch, _obs_rows([batch]))
         self._send()
         return True
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgerl.robot_client import netproc
-from edgerl.robot_client.keeper import ObsRows, StreamSettings
+from edgerl.robot_client.keeper import ObsRows, StreamSettings, concat_rows
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
@@ -24,11 +24,11 @@ def test_observation_frames_round_trip() -> None:
     obs = rng.standard_normal((3, 2, 5)).astype(np.float32)  # any obs shape travels flattened
     rewards = np.array([1.5, -2.0, 0.25], np.float32)
     flags = np.array([(1, 0, 0), (0, 1, 1), (0, 0, 0)], np.uint8)
-    data = netproc.encode_obs(ObsRows(9, ids, obs, rewards, flags))
+    data = netproc.encode_obs(9, ObsRows(ids, obs, rewards, flags))
     (payload,) = netproc.split_frames(bytearray(data))
     assert payload[:1] == netproc.OBS
-    rows = netproc.decode_obs(payload)
-    assert rows.epoch == 9
+    epoch, rows = netproc.decode_obs(payload)
+    assert epoch == 9
     np.testing.assert_array_equal(rows.env_ids, ids)
     np.testing.assert_array_equal(rows.obs, obs.reshape(3, 10))
     np.testing.assert_array_equal(rows.rewards, rewards)
@@ -143,3 +143,16 @@ def test_bench_keeps_cpus_for_the_control_threads() -> None:
     for bad in ("x", str(cpus[-1] + 1), f"{cpus[0]},{cpus[0]}"):
         with pytest.raises(ValueError, match="control_cpu"):
             BenchRobotConfig(control_cpu=bad, processes=1 if "," not in bad else 2, robots=2)
+
+
+def test_parts_offered_together_go_out_as_one_message_in_order() -> None:
+    parts = [
+        ObsRows(np.array([i], np.int32), np.full((1, 2), i, np.float32), np.array([i], np.float32),
+                np.array([(i % 2, 0, 1)], np.uint8))
+        for i in (3, 1, 2)
+    ]  # fmt: skip
+    rows = concat_rows(parts)
+    np.testing.assert_array_equal(rows.env_ids, [3, 1, 2])
+    np.testing.assert_array_equal(rows.obs[:, 0], [3, 1, 2])
+    np.testing.assert_array_equal(rows.flags[:, 0], [1, 1, 0])
+    assert concat_rows(parts[:1]) is parts[0]
