@@ -297,17 +297,22 @@ class _Outbox:
 class _ThreadOutbox(_Outbox):
     """The stream's asyncio loop runs on the control thread, between slots."""
 
-    def open(self) -> None:
+    def __init__(self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock) -> None:
+        super().__init__(links, settings, clock)
         self._loop = precise_event_loop()
-        self._keeper = StreamKeeper(self.settings, _obs_rows, self._up, self._down, self._answer)
+        self._keeper = StreamKeeper(settings, _obs_rows, self._up, self._down, self._answer)
+        self._task: asyncio.Task[None] | None = None
+
+    def open(self) -> None:
         self._task = self._loop.create_task(self._keeper.run())
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
         self._keeper.stopping.set()
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            self._loop.run_until_complete(asyncio.wait_for(self._task, 5.0))
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                self._loop.run_until_complete(asyncio.wait_for(self._task, 5.0))
         self._loop.close()
 
     def after_slot(self) -> None:
