@@ -52,6 +52,8 @@ class BenchRobotConfig:
     """Network preset served."""
     model: str = ""
     """Local model folder of the llm policy (empty: the small random Llama)."""
+    dtype: str = "float32"
+    """Engine dtype of the llm policy."""
     chunk: int = 1
     """Actions per policy answer (action chunks when > 1)."""
     refill_at: int = 1
@@ -281,7 +283,9 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
     if cfg.baseline_s > 0:
         progress(f"baseline: {cfg.robots // cfg.processes} robots in a plain loop for {cfg.baseline_s:g}s")
         baseline = baseline_loop(cfg)
-    policy = PolicySpec(cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model)
+    policy = PolicySpec(
+        cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model, dtype=cfg.dtype
+    )
     server_cpus = cfg.server_cpus()
     server = ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level, cpus=server_cpus

@@ -68,6 +68,8 @@ class ThroughputConfig:
     """Edge server batching delay (microseconds)."""
     torch_threads: int = 1
     """Torch threads for inference, in-process and in the server alike."""
+    dtype: str = "float32"
+    """Engine dtype of the llm policy, in-process and in the server alike."""
     seed: int = 0
     """Seed of envs and weights."""
 
@@ -124,7 +126,12 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
 
 def _policy_spec(cfg: ThroughputConfig) -> PolicySpec:
     return PolicySpec(
-        env_name=cfg.env, preset=cfg.policy, seed=cfg.seed, torch_threads=cfg.torch_threads, model=cfg.model
+        env_name=cfg.env,
+        preset=cfg.policy,
+        seed=cfg.seed,
+        torch_threads=cfg.torch_threads,
+        model=cfg.model,
+        dtype=cfg.dtype,
     )
 
 

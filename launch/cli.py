@@ -15,6 +15,7 @@ from edgerl.edge_server.server import ServerConfig
 from edgerl.launch import robot as robot_cli
 from edgerl.launch.bench_throughput import write_json
 from edgerl.launch.processes import (
+    LLM_DTYPES,
     LLM_PRESET,
     PolicySpec,
     ServerProcess,
@@ -95,6 +96,13 @@ def _add_policy(p: argparse.ArgumentParser) -> None:
         "--model", default="", help="local model folder of --policy llm (default: a small random Llama)"
     )
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads for inference")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=LLM_DTYPES,
+        help="engine dtype of --policy llm: float32 serves the log-probs a float32 trainer recomputes; "
+        "bfloat16 is faster on CPUs with AMX and on GPUs (auto: the model's own)",
+    )
 
 
 def _add_batching(p: argparse.ArgumentParser) -> None:
@@ -442,12 +450,17 @@ def _bench_learn(a: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_spec(a: argparse.Namespace) -> PolicySpec:
+    """The policy the options of ``_add_policy`` name."""
+    return PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model, dtype=a.dtype)
+
+
 def _serve(a: argparse.Namespace) -> int:
     from edgerl.edge_server.server import serve_until_signal
     from edgerl.launch.processes import build_server
 
     cfg = config_from_args(ServerConfig, a)
-    server = build_server(PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model), cfg)
+    server = build_server(_policy_spec(a), cfg)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -482,7 +495,7 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    policy = PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model)
+    policy = _policy_spec(a)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
     with ServerProcess(policy, cfg, log_level=a.log_level) as server:
         print(

@@ -36,6 +36,19 @@ def configure_logging(level: str = "WARNING") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
 
 
+LLM_PRESET = "llm"
+LLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
+"""Engine dtypes of the ``llm`` preset (``auto``: the model's own)."""
+
+
+def check_dtype(dtype: str, preset: str) -> None:
+    """Raise ValueError naming ``dtype`` unless it is an engine dtype that ``preset`` can run."""
+    if dtype not in LLM_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(LLM_DTYPES)}")
+    if dtype != "float32" and preset != LLM_PRESET:
+        raise ValueError(f"dtype: {dtype!r} is for policy {LLM_PRESET!r}; the MLP presets run float32")
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     """Which policy a server process builds."""
@@ -58,9 +71,12 @@ class PolicySpec:
     """Local model folder for the ``llm`` preset; empty: the small random Llama built on first use."""
     log_std_init: float = 0.0
     """Initial log-std of an MLP preset's action noise (the trainer's initial weights must agree)."""
+    dtype: str = "float32"
+    """Engine dtype of the ``llm`` preset (``LLM_DTYPES``); float32 keeps the served log-probs
+    equal to the trainer's float32 recomputation, bfloat16 is faster on CPUs with AMX and on GPUs."""
 
-
-LLM_PRESET = "llm"
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype, self.preset)
 
 
 def build_mlp(policy: PolicySpec, spec: Any) -> Any:
@@ -107,7 +123,13 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
 
         model = llm_model_dir(policy)
         llm = VLLMPolicyBackend(
-            model, spec.obs_shape, spec.act_low, spec.act_high, chunk=policy.chunk, seed=policy.seed
+            model,
+            spec.obs_shape,
+            spec.act_low,
+            spec.act_high,
+            chunk=policy.chunk,
+            seed=policy.seed,
+            dtype=policy.dtype,  # type: ignore[arg-type]  # one of LLM_DTYPES (checked)
         )
         if policy.checkpoint:
             from edgerl.models.llm_actor_critic import served_weights

@@ -32,6 +32,7 @@ from edgerl.launch.processes import (
     ServerProcess,
     WorkerFleet,
     build_mlp,
+    check_dtype,
     llm_model_dir,
 )
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -60,6 +61,9 @@ class RunConfig:
     served by vLLM and trained over its action tokens."""
     model: str = ""
     """Local model folder of ``policy = "llm"``; empty: the small random Llama built on first use."""
+    dtype: str = "float32"
+    """Engine dtype of ``policy = "llm"`` on the edge server (the trainer computes in float32:
+    with bfloat16 the served log-probs it corrects with differ from its own more)."""
     log_std_init: float = 0.0
     """Initial log-std of an MLP policy's action noise (0: std 1; HalfCheetah learns far more
     reliably from -1, std 0.37)."""
@@ -86,6 +90,7 @@ class RunConfig:
             raise ValueError("steps and segment_steps must be >= 1")
         if self.model and self.policy != LLM_PRESET:
             raise ValueError(f"model: a model folder is for policy {LLM_PRESET!r}, not {self.policy!r}")
+        check_dtype(self.dtype, self.policy)
         if self.log_std_init and self.policy == LLM_PRESET:
             raise ValueError(f"log_std_init: for the MLP policies; policy {LLM_PRESET!r} samples tokens")
 
@@ -247,6 +252,7 @@ def run_training(
         checkpoint=str(checkpoint or ""),
         model=cfg.model,
         log_std_init=cfg.log_std_init,
+        dtype=cfg.dtype,
     )
     net: Any
     if cfg.policy == LLM_PRESET:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from edgerl.launch.train import RunConfig
+
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
 
@@ -54,6 +56,20 @@ def test_bad_option_value_is_a_clear_error() -> None:
     )
     assert out.returncode == 2
     assert "envs (2) must be >= workers x groups (2 x 2)" in out.stderr
+
+
+def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
+    out = subprocess.run(
+        [*EDGERL, "serve", "--port", "0", "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in out.stderr
+    with pytest.raises(ValueError, match="dtype: 'half' is not one of float32, bfloat16, float16, auto"):
+        RunConfig(policy="llm", dtype="half")
 
 
 def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:

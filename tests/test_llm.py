@@ -191,6 +191,38 @@ def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -
     assert server.backend.last_swap_s > 0
 
 
+def test_a_bfloat16_engine_serves_action_tokens_and_takes_float32_weights(model_dir: Path) -> None:
+    """``dtype="bfloat16"`` (``--dtype``): the engine runs in it, serves only action tokens with
+    log-probs near the float32 trainer's, and casts a float32 publish into its own weights."""
+    backend = VLLMPolicyBackend(
+        model_dir, (OBS_DIM,), LOW, HIGH, instruction="balance", seed=3, dtype="bfloat16"
+    )
+    try:
+        assert backend.llm.llm_engine.model_config.dtype == torch.bfloat16
+        obs = _obs(32, 10)
+        res = backend.infer(obs)
+        k = (res.actions - LOW) / ((HIGH - LOW) / 256) - 0.5
+        np.testing.assert_allclose(k, np.round(k), atol=1e-3)
+        policy = load_llm_actor_critic(model_dir, LOW, HIGH, instruction="balance")
+        with torch.no_grad():
+            trainer_lp, _, _ = policy(policy.prompts(obs), policy.action_tokens(res.actions))
+        # bfloat16 keeps 8 bits of mantissa: near the float32 log-probs (|log-prob| ~ 11 here),
+        # but not within the 1e-3 that float32 serving keeps
+        assert np.abs(trainer_lp.numpy() - res.log_probs).mean() < 0.05
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            head = model.lm_head.weight
+            head[backend.codec.layout.action_base + 255] += (
+                50.0 * model.model.norm.weight / model.model.norm.weight.norm()
+            )
+        backend.load_weights({k: v.numpy() for k, v in model.state_dict().items()}, 7)
+        res = backend.infer(obs)
+        assert backend.version == 7
+        assert (res.actions >= HIGH - (HIGH - LOW) / 256).mean() > 0.1  # the swapped-in head acts
+    finally:
+        backend.close()
+
+
 def test_model_must_be_a_local_folder(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="local folder"):
         VLLMPolicyBackend(tmp_path / "nope", (OBS_DIM,), LOW, HIGH)
