@@ -46,28 +46,21 @@ def test_top_level_help_lists_the_subcommands() -> None:
         assert f"    {command} " in out
 
 
-def test_bad_option_value_is_a_clear_error() -> None:
-    out = subprocess.run(
-        [*EDGERL, "rollout", "--envs", "2", "--workers", "2", "--groups", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def _refused(*args: str) -> str:
+    """Run ``edgerl ARGS``, expecting the exit status of a bad option value (2); its stderr."""
+    out = subprocess.run([*EDGERL, *args], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 2
-    assert "envs (2) must be >= workers x groups (2 x 2)" in out.stderr
+    return out.stderr
+
+
+def test_bad_option_value_is_a_clear_error() -> None:
+    stderr = _refused("rollout", "--envs", "2", "--workers", "2", "--groups", "2")
+    assert "envs (2) must be >= workers x groups (2 x 2)" in stderr
 
 
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
-    out = subprocess.run(
-        [*EDGERL, "serve", "--port", "0", "--dtype", "bfloat16"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 2
-    assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in out.stderr
+    stderr = _refused("serve", "--port", "0", "--dtype", "bfloat16")
+    assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in stderr
     with pytest.raises(ValueError, match="dtype: 'half' is not one of float32, bfloat16, float16, auto"):
         RunConfig(policy="llm", dtype="half")
 
