@@ -193,6 +193,11 @@ class VLLMPolicyBackend(PolicyBackend):
         # vLLM's CPU attention checks that the thread running a batch has as many OpenMP
         # threads as when the engine was built; the engine thread sets it to this value.
         self._threads = torch.get_num_threads()
+        # published weights are written in it, so vLLM loads them without casting (and
+        # without a warning per tensor and publish)
+        dtype_ = self.llm.llm_engine.model_config.dtype
+        assert isinstance(dtype_, torch.dtype)  # resolved from its name when the engine was built
+        self.engine_dtype = dtype_
         self._weights_dir = Path(tempfile.mkdtemp(prefix="edgerl-llm-weights-"))
         shutil.copy(self.model_dir / "config.json", self._weights_dir / "config.json")
         self.last_swap_s = 0.0
@@ -341,12 +346,16 @@ class VLLMPolicyBackend(PolicyBackend):
             KeyError, ValueError: a tensor is missing, unknown or of the wrong shape; the
                 served weights are then unchanged.
         """
-        from safetensors.numpy import save_file
+        import torch
+        from safetensors.torch import save_file
 
         check_weights(weights, self.manifest)
         t0 = time.perf_counter()
         save_file(
-            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
+            {
+                k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(self.engine_dtype)
+                for k, v in weights.items()
+            },
             str(self._weights_dir / "model.safetensors"),
         )
 

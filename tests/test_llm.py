@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - CI installs the llm extra
     pytest.skip("vLLM is not installed (pip install -e .[llm])", allow_module_level=True)
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -216,6 +217,8 @@ def test_a_bfloat16_engine_serves_action_tokens_and_takes_float32_weights(model_
                 50.0 * model.model.norm.weight / model.model.norm.weight.norm()
             )
         backend.load_weights({k: v.numpy() for k, v in model.state_dict().items()}, 7)
+        with safe_open(backend._weights_dir / "model.safetensors", "pt") as f:  # no cast on reload
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118 (not iterable)
         res = backend.infer(obs)
         assert backend.version == 7
         assert (res.actions >= HIGH - (HIGH - LOW) / 256).mean() > 0.1  # the swapped-in head acts
