@@ -195,9 +195,9 @@ class VLLMPolicyBackend(PolicyBackend):
         self._threads = torch.get_num_threads()
         # published weights are written in it, so vLLM loads them without casting (and
         # without a warning per tensor and publish)
-        dtype_ = self.llm.llm_engine.model_config.dtype
-        assert isinstance(dtype_, torch.dtype)  # resolved from its name when the engine was built
-        self.engine_dtype = dtype_
+        engine_dtype = self.llm.llm_engine.model_config.dtype
+        assert isinstance(engine_dtype, torch.dtype)  # resolved from its name when the engine was built
+        self.engine_dtype = engine_dtype
         self._weights_dir = Path(tempfile.mkdtemp(prefix="edgerl-llm-weights-"))
         shutil.copy(self.model_dir / "config.json", self._weights_dir / "config.json")
         self.last_swap_s = 0.0
