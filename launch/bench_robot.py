@@ -283,9 +283,7 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
     if cfg.baseline_s > 0:
         progress(f"baseline: {cfg.robots // cfg.processes} robots in a plain loop for {cfg.baseline_s:g}s")
         baseline = baseline_loop(cfg)
-    policy = PolicySpec(
-        cfg.env, cfg.policy, cfg.seed, cfg.torch_threads, chunk=cfg.chunk, model=cfg.model, dtype=cfg.dtype
-    )
+    policy = PolicySpec.from_options(cfg, chunk=cfg.chunk)
     server_cpus = cfg.server_cpus()
     server = ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), log_level=cfg.log_level, cpus=server_cpus

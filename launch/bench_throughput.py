@@ -101,7 +101,7 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
     """
     from edgerl.sim.envs import make_vector_env
 
-    backend, spec = build_backend(_policy_spec(cfg))
+    backend, spec = build_backend(PolicySpec.from_options(cfg))
     envs, obs = make_vector_env(cfg.env, cfg.envs, cfg.seed)
     state = {"obs": obs}
     spent = {"env": 0.0, "inference": 0.0}
@@ -122,17 +122,6 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
         backend.close()
     env_s, inf_s = spent["env"], spent["inference"]
     return sps, (env_s + inf_s) / max(env_s, inf_s, 1e-12)
-
-
-def _policy_spec(cfg: ThroughputConfig) -> PolicySpec:
-    return PolicySpec(
-        env_name=cfg.env,
-        preset=cfg.policy,
-        seed=cfg.seed,
-        torch_threads=cfg.torch_threads,
-        model=cfg.model,
-        dtype=cfg.dtype,
-    )
 
 
 def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
@@ -197,7 +186,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary."""
     runs: dict[str, list[float]] = {m: [] for m in MODES}
-    policy = _policy_spec(cfg)
+    policy = PolicySpec.from_options(cfg)
     bounds: list[float] = []
     stream_stats: dict[str, Any] = {}
     with ServerProcess(policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us)) as server:

@@ -450,17 +450,12 @@ def _bench_learn(a: argparse.Namespace) -> int:
     return 0
 
 
-def _policy_spec(a: argparse.Namespace) -> PolicySpec:
-    """The policy the options of ``_add_policy`` name."""
-    return PolicySpec(a.env, a.policy, a.seed, a.torch_threads, model=a.model, dtype=a.dtype)
-
-
 def _serve(a: argparse.Namespace) -> int:
     from edgerl.edge_server.server import serve_until_signal
     from edgerl.launch.processes import build_server
 
     cfg = config_from_args(ServerConfig, a)
-    server = build_server(_policy_spec(a), cfg)
+    server = build_server(PolicySpec.from_options(a), cfg)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -495,7 +490,7 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    policy = _policy_spec(a)
+    policy = PolicySpec.from_options(a)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
     with ServerProcess(policy, cfg, log_level=a.log_level) as server:
         print(

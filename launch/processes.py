@@ -78,6 +78,14 @@ class PolicySpec:
     def __post_init__(self) -> None:
         check_dtype(self.dtype, self.preset)
 
+    @classmethod
+    def from_options(cls, opts: Any, **fields: Any) -> PolicySpec:
+        """The policy that ``opts`` (parsed CLI options or a benchmark config) names by its
+        ``env``, ``policy``, ``seed``, ``torch_threads``, ``model`` and ``dtype``; plus ``fields``."""
+        return cls(
+            opts.env, opts.policy, opts.seed, opts.torch_threads, model=opts.model, dtype=opts.dtype, **fields
+        )
+
 
 def build_mlp(policy: PolicySpec, spec: Any) -> Any:
     """The fresh :class:`~edgerl.models.GaussianMLPPolicy` of ``policy`` for the env ``spec``.
