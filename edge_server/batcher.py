@@ -136,7 +136,9 @@ class DynamicBatcher:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._depth = max(1, backend.pipeline_depth)
-        self._executor = concurrent.futures.ThreadPoolExecutor(self._depth, thread_name_prefix="edgerl-infer")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self._depth, thread_name_prefix="edgerl-infer", initializer=backend.init_thread
+        )
         self._running: set[asyncio.Task[None]] = set()
         self._swaps_waiting = 0
         self._idle = asyncio.Event()  # no batch running (set while none is)

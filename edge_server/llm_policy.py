@@ -267,8 +267,7 @@ class VLLMPolicyBackend(PolicyBackend):
         """Own the engine: add the batches that arrive, step while sequences run."""
         import torch
 
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)  # per thread (see TorchPolicyBackend.init_thread)
         engine = self.llm.llm_engine
         ids = itertools.count()
         stopping = False

@@ -159,7 +159,7 @@ class EdgeServer:
                 cfg.host,
                 "read the traffic" if self.auth else "drive the policy",
             )
-        await asyncio.get_running_loop().run_in_executor(None, self.backend.warmup)
+        await self.batcher.run_between_batches(self.backend.warmup)  # on the inference thread
         self.batcher.start()
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import grpc
@@ -302,3 +303,52 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new_work() -> None:
             await stopping
 
     run(main())
+
+
+def _omp_max_threads() -> int:
+    """OpenMP's thread count for the calling thread, from the libgomp torch loaded."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        path = next(line.split()[-1] for line in maps if "libgomp" in line)
+    return int(ctypes.CDLL(path).omp_get_max_threads())
+
+
+class _CountingBackend(TorchPolicyBackend):
+    """Records the OpenMP thread count of each thread that infers."""
+
+    seen: list[int]
+
+    def infer(self, obs: np.ndarray) -> Any:
+        self.seen.append(_omp_max_threads())
+        return super().infer(obs)
+
+
+def test_the_inference_thread_keeps_the_torch_thread_count_of_the_backend() -> None:
+    """``torch.set_num_threads`` holds for the thread that calls it only (OpenMP keeps the count
+    per thread); the server's inference thread must get the backend's count itself."""
+    import concurrent.futures
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = env_spec(ENV)
+        backend = _CountingBackend(build_policy("mlp", OBS, ACT, seed=1), spec.act_low, spec.act_high)
+        backend.seen = []
+        assert backend.torch_threads == 1
+        with concurrent.futures.ThreadPoolExecutor(1) as plain:
+            untold = plain.submit(_omp_max_threads).result()
+        if len(os.sched_getaffinity(0)) > 1:  # what the backend guards against
+            assert untold > 1
+
+        async def main() -> None:
+            async with running_server(backend) as server:
+                async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                    await client.act(np.zeros((1, OBS), np.float32))
+
+        run(main())
+        assert backend.seen and set(backend.seen) == {1}
+    finally:
+        torch.set_num_threads(before)
