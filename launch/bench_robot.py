@@ -21,7 +21,6 @@ import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -31,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.processes import PolicySpec, ServerProcess, configure_logging
-from edgerl.launch.robot import parse_cpus
+from edgerl.launch.processes import PolicySpec, ServerProcess, configure_logging, kept_cpus, other_cpus
 from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
@@ -116,26 +114,15 @@ class BenchRobotConfig:
 def control_cpus(spec: str, processes: int, network_process: bool = True) -> list[int]:
     """The CPUs kept for the control threads (``BenchRobotConfig.control_cpu``); [] for none.
 
+    "auto" keeps the last CPUs only with ``network_process`` (with the stream on the control
+    thread, the host is one busy thread that takes whichever core is free).
+
     Raises:
         ValueError: ``spec`` is not "auto", "off" or CPU numbers, one per process, of this machine.
     """
-    allowed = sorted(os.sched_getaffinity(0))
-    if spec == "off":
+    if spec == "auto" and not network_process:
         return []
-    if spec == "auto":
-        return allowed[-processes:] if network_process and len(allowed) > processes else []
-    cpus = list(parse_cpus(spec, 'control_cpu ("auto", "off" or CPUs)'))
-    if len(cpus) != processes or len(set(cpus)) != processes or not set(cpus) <= set(allowed):
-        raise ValueError(
-            f"control_cpu needs {processes} distinct CPUs of {allowed} (one per process), got {spec!r}"
-        )
-    return cpus
-
-
-def other_cpus(cpus: list[int]) -> frozenset[int] | None:
-    """The CPUs of the server and the network processes when ``cpus`` are kept for the control
-    threads (None: any)."""
-    return frozenset(os.sched_getaffinity(0)) - set(cpus) if cpus else None
+    return kept_cpus(spec, processes, "control_cpu")
 
 
 def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:

@@ -30,6 +30,8 @@ from edgerl.launch.processes import (
     ServerProcess,
     WorkerFleet,
     build_backend,
+    kept_cpus,
+    other_cpus,
     server_stats,
 )
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -72,6 +74,11 @@ class ThroughputConfig:
     """Engine dtype of the llm policy, in-process and in the server alike."""
     seed: int = 0
     """Seed of envs and weights."""
+    network_process: bool = False
+    """Each sim worker of async_stream runs its Act stream in a network process of its own."""
+    worker_cpus: str = "off"
+    """CPUs of the async_stream sim workers, one each ("auto": the last CPUs, if some are left for
+    the server and the network processes, which then run on the others; "off": no pinning)."""
 
     def __post_init__(self) -> None:
         if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
@@ -80,6 +87,13 @@ class ThroughputConfig:
             raise ValueError(f"groups must be >= 0 (0: by policy), got {self.groups}")
         if self.groups == 0:
             object.__setattr__(self, "groups", 1 if self.policy == LLM_PRESET else 2)
+        kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
+
+    def placement(self) -> tuple[list[int], frozenset[int] | None]:
+        """The sim workers' CPUs (one each; [] for any) and those of the server and the network
+        processes (None: any)."""
+        workers = kept_cpus(self.worker_cpus, self.workers, "worker_cpus")
+        return workers, other_cpus(workers)
 
 
 def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
@@ -161,6 +175,7 @@ def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
 
 
 def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
+    worker_cpus, others = cfg.placement()
     fleet = WorkerFleet(
         SimWorkerConfig(
             server=address,
@@ -169,8 +184,11 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
             groups=cfg.groups,
             seed=cfg.seed,
             session_id="bench",
+            network_process=cfg.network_process,
+            network_cpus=tuple(sorted(others or ())) if cfg.network_process else (),
         ),
         cfg.workers,
+        worker_cpus=worker_cpus,
     )
     with fleet:
         fleet.wait_started()
@@ -189,7 +207,10 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     policy = PolicySpec.from_options(cfg)
     bounds: list[float] = []
     stream_stats: dict[str, Any] = {}
-    with ServerProcess(policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us)) as server:
+    server_cpus = cfg.placement()[1]
+    with ServerProcess(
+        policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), cpus=server_cpus
+    ) as server:
         for r in range(cfg.repeats):
             for mode in MODES:
                 progress(f"repeat {r + 1}/{cfg.repeats}: {mode} ({cfg.seconds:.0f}s)")

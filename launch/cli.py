@@ -21,6 +21,8 @@ from edgerl.launch.processes import (
     ServerProcess,
     WorkerFleet,
     configure_logging,
+    kept_cpus,
+    other_cpus,
     server_stats,
 )
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
@@ -133,6 +135,23 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
     p.add_argument(
         "--timeout-s", type=float, default=10.0, help="deadline for each answer from the server (s)"
     )
+    _add_worker_placement(p)
+
+
+def _add_worker_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--network-process",
+        action="store_true",
+        help="each sim worker runs its Act stream in a network process of its own: the worker's "
+        "core only steps envs (worth it where that core is the bottleneck and another has room)",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        default="off",
+        help='CPUs of the sim workers, one per worker ("1", "2,3"); "auto": the last CPUs, one per '
+        "worker, if some are left for the server and the network processes, which run on the others; "
+        '"off": no pinning',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="env groups per worker in async_stream (0: 1 for --policy llm, whose batch of all "
         "envs costs less than two halves, else 2: double-buffered)",
     )
+    _add_worker_placement(p)
     p.add_argument(
         "--max-delay-us",
         type=int,
@@ -476,13 +496,25 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
         timeout_s=a.timeout_s,
         max_steps=getattr(a, "steps", 0),
         security=client_security(a) if hasattr(a, "tls_ca") else None,
+        network_process=a.network_process,
+        network_cpus=tuple(sorted(other_cpus(_worker_cpus(a)) or ())) if a.network_process else (),
+    )
+
+
+def _worker_cpus(a: argparse.Namespace) -> list[int]:
+    return kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")
+
+
+def _fleet(a: argparse.Namespace, server: str) -> WorkerFleet:
+    return WorkerFleet(
+        _worker_config(a, server), a.workers, log_level=a.log_level, worker_cpus=_worker_cpus(a)
     )
 
 
 def _sim(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    with WorkerFleet(_worker_config(a, a.server), a.workers, log_level=a.log_level) as fleet:
+    with _fleet(a, a.server) as fleet:
         summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
     return _report(summary, None)
 
@@ -492,12 +524,12 @@ def _rollout(a: argparse.Namespace) -> int:
 
     policy = PolicySpec.from_options(a)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
-    with ServerProcess(policy, cfg, log_level=a.log_level) as server:
+    with ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a))) as server:
         print(
             f"edgerl: edge server on {server.address}; {a.workers} worker(s), {a.envs} envs of {a.env}",
             flush=True,
         )
-        with WorkerFleet(_worker_config(a, server.address), a.workers, log_level=a.log_level) as fleet:
+        with _fleet(a, server.address) as fleet:
             summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
         summary["server"] = server_stats(server.address)
     return _report(summary, a.json)

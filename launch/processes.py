@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
@@ -34,6 +35,39 @@ def configure_logging(level: str = "WARNING") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # vLLM configures its own loggers (INFO by default) when it is imported.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+
+
+def parse_cpus(spec: str, name: str) -> tuple[int, ...]:
+    """``"0,2"`` -> ``(0, 2)``; ``""`` -> ``()``."""
+    try:
+        return tuple(int(c) for c in spec.split(",")) if spec else ()
+    except ValueError:
+        raise ValueError(f'{name}: expected CPU numbers like "0,1", got {spec!r}') from None
+
+
+def kept_cpus(spec: str, count: int, name: str) -> list[int]:
+    """CPUs kept for ``count`` busy processes, one each; [] for none.
+
+    ``spec`` is "off" (none), "auto" (the last ``count`` CPUs of this process, if at least one
+    is left for the others) or ``count`` distinct CPU numbers ("1", "2,3").
+
+    Raises:
+        ValueError: ``spec`` is none of these (the message names ``name``).
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "off":
+        return []
+    if spec == "auto":
+        return allowed[-count:] if len(allowed) > count else []
+    cpus = list(parse_cpus(spec, f'{name} ("auto", "off" or CPUs)'))
+    if len(cpus) != count or len(set(cpus)) != count or not set(cpus) <= set(allowed):
+        raise ValueError(f"{name} needs {count} distinct CPUs of {allowed} (one per process), got {spec!r}")
+    return cpus
+
+
+def other_cpus(cpus: Sequence[int]) -> frozenset[int] | None:
+    """This process's CPUs but ``cpus``, for the server and network processes (None: any)."""
+    return frozenset(os.sched_getaffinity(0)) - set(cpus) if cpus else None
 
 
 LLM_PRESET = "llm"
@@ -353,31 +387,40 @@ def _worker_main(
 
     configure_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared event
+    if config.cpus:  # before gRPC starts threads, which inherit it
+        os.sched_setaffinity(0, config.cpus)
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
+    sent = 0
 
-    async def report() -> None:
-        sent = 0
-        while True:
-            steps.value = progress.steps
-            n = len(progress.episode_returns)
-            if n > sent:
-                episodes.put(
-                    list(zip(progress.episode_returns[sent:n], progress.episode_lengths[sent:n], strict=True))
-                )
-                sent = n
-            await asyncio.sleep(0.2)
+    def report() -> None:
+        nonlocal sent
+        steps.value = progress.steps
+        n = len(progress.episode_returns)
+        if n > sent:
+            episodes.put(
+                list(zip(progress.episode_returns[sent:n], progress.episode_lengths[sent:n], strict=True))
+            )
+            sent = n
 
     async def main() -> None:
-        reporter = asyncio.get_running_loop().create_task(report())
+        async def reporter() -> None:
+            while True:
+                report()
+                await asyncio.sleep(0.2)
+
+        task = asyncio.get_running_loop().create_task(reporter())
         try:
             await worker.run(stop.is_set)
         finally:
-            reporter.cancel()
-            steps.value = progress.steps
+            task.cancel()
+            report()
 
     try:
-        asyncio.run(main())
+        if config.network_process:
+            worker.run_blocking(stop.is_set, report)
+        else:
+            asyncio.run(main())
     finally:
         worker.close()
 
@@ -385,7 +428,15 @@ def _worker_main(
 class WorkerFleet:
     """``num_workers`` sim worker processes sharing ``num_envs`` envs between them."""
 
-    def __init__(self, config: SimWorkerConfig, num_workers: int, *, log_level: str = "WARNING") -> None:
+    def __init__(
+        self,
+        config: SimWorkerConfig,
+        num_workers: int,
+        *,
+        log_level: str = "WARNING",
+        worker_cpus: Sequence[int] = (),
+    ) -> None:
+        """``worker_cpus``: worker i runs on CPU ``worker_cpus[i % len(worker_cpus)]`` (empty: any)."""
         if num_workers < 1:
             raise ValueError(f"workers must be >= 1, got {num_workers}")
         if config.num_envs < num_workers * config.groups:
@@ -395,6 +446,7 @@ class WorkerFleet:
         self.config = config
         self.num_workers = num_workers
         self.log_level = log_level
+        self.worker_cpus = tuple(worker_cpus)
         self._stop = _CTX.Event()
         self._episodes: Any = _CTX.Queue()
         self._steps: list[Synchronized[int]] = []
@@ -413,6 +465,7 @@ class WorkerFleet:
                 seed=cfg.seed + bounds[i],
                 session_id=f"{cfg.session_id or 'sim'}/worker-{i}",
                 max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
+                cpus=(self.worker_cpus[i % len(self.worker_cpus)],) if self.worker_cpus else cfg.cpus,
             )
             steps: Synchronized[int] = _CTX.Value("q", 0)  # type: ignore[assignment,unused-ignore]
             proc = _CTX.Process(

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from edgerl.launch.processes import parse_cpus
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, load_robot, robot_class
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
@@ -80,14 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
     )
     p.add_argument("--json", metavar="PATH", help="write the final statistics as JSON")
-
-
-def parse_cpus(spec: str, name: str) -> tuple[int, ...]:
-    """``"0,2"`` -> ``(0, 2)``; ``""`` -> ``()``."""
-    try:
-        return tuple(int(c) for c in spec.split(",")) if spec else ()
-    except ValueError:
-        raise ValueError(f'{name}: expected CPU numbers like "0,1", got {spec!r}') from None
 
 
 def _parse_kwargs(items: list[str]) -> dict[str, Any]:

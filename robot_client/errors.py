@@ -90,3 +90,13 @@ def from_grpc(exc: grpc.RpcError) -> RpcError:
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
     cls = _BY_CODE.get(code, RpcError)
     return cls(details or code.name, code)
+
+
+def from_code(code_name: str, details: str) -> EdgeRLError:
+    """The named error for a status code given by name (as a network process reports it).
+
+    An empty name gives a plain :class:`EdgeRLError` (a failure with no gRPC status)."""
+    if not code_name:
+        return EdgeRLError(details)
+    code = grpc.StatusCode[code_name] if code_name in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
+    return _BY_CODE.get(code, RpcError)(details, code)

@@ -46,6 +46,8 @@ class StreamSettings:
     log_level: int = logging.WARNING
     cpus: tuple[int, ...] = ()
     """CPUs a network process runs on; empty: any."""
+    env_name: str = ""
+    """Gymnasium id of the envs behind the stream (empty: robots); the server may check it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,8 @@ class StreamKeeper(Generic[Part]):
         combine: the rows of the parts offered since the last message, in order (called once
             per message, so that a part costs nothing until it is sent).
         on_up: called with the epoch of each stream opened.
-        on_down: called with the epoch of each stream that failed (or could not be opened).
+        on_down: called with the epoch and the error of each stream that failed (or could not
+            be opened).
         on_answer: called with the epoch and each answer, in the order of the rows offered.
     """
 
@@ -80,7 +83,7 @@ class StreamKeeper(Generic[Part]):
         settings: StreamSettings,
         combine: Callable[[list[Part]], ObsRows],
         on_up: Callable[[int], None],
-        on_down: Callable[[int], None],
+        on_down: Callable[[int, errors.EdgeRLError], None],
         on_answer: Callable[[int, Actions], None],
     ) -> None:
         self.settings = settings
@@ -109,11 +112,12 @@ class StreamKeeper(Generic[Part]):
                 stream: ActStream | None = None
                 try:
                     # A unary call first: auth and shape errors come back with their own status.
-                    await client.describe_for(cfg.obs_shape, "the robots")
+                    await client.describe_for(cfg.obs_shape, cfg.env_name or "the robots")
                     stream = await client.open_stream(
                         session_id=cfg.session_id,
                         num_envs=cfg.num_envs,
                         obs_shape=cfg.obs_shape,
+                        env_name=cfg.env_name,
                         max_inflight=cfg.num_envs,
                         timeout_s=cfg.timeout_s,
                     )
@@ -126,7 +130,7 @@ class StreamKeeper(Generic[Part]):
                     self._live = None
                     if self.stopping.is_set():
                         break
-                    self.on_down(self.epoch)
+                    self.on_down(self.epoch, exc)
                     level = logging.WARNING if backoff == cfg.backoff_initial_s else logging.DEBUG
                     log.log(level, "stream to %s failed (%s); reconnecting", cfg.server, exc)
                 finally:

@@ -20,6 +20,8 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   terminated / truncated / fallback flags (``u8`` each, row by row).
 - ``U`` / ``D`` (child → control): the stream of ``epoch`` (``u32``) is up /
   failed; observations of another epoch than the open stream's are dropped.
+  A ``D`` frame goes on with the failure, UTF-8: its gRPC status name (empty
+  for a failure with none), a newline, the message.
 - ``A`` (child → control): ``epoch, rows`` (``u32``), ``policy_version``
   (``i64``), the action shape of one row (``u8`` count, ``u32`` each), then the
   actions (``f32``) and log-probabilities (``f32``). Answers come in the order
@@ -36,12 +38,13 @@ import logging
 import os
 import socket
 import struct
+import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, concat_rows
 
@@ -93,6 +96,18 @@ def encode_state(kind: bytes, epoch: int) -> bytes:
 def decode_state(payload: bytes) -> int:
     epoch: int = _STATE.unpack_from(payload)[1]
     return epoch
+
+
+def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
+    code = error.code.name if isinstance(error, errors.RpcError) else ""
+    details = error.details if isinstance(error, errors.RpcError) else str(error)
+    return frame(_STATE.pack(DOWN, epoch) + f"{code}\n{details}".encode())
+
+
+def decode_down(payload: bytes) -> tuple[int, errors.EdgeRLError]:
+    """The epoch of a ``D`` frame and the named error it reports."""
+    code, _, details = payload[_STATE.size :].decode(errors="replace").partition("\n")
+    return decode_state(payload), errors.from_code(code, details)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +189,13 @@ async def _main(sock: socket.socket) -> None:
     def answer(epoch: int, a: Actions) -> None:
         writer.write(encode_answer(epoch, a.policy_version, a.actions, a.log_probs))
 
-    def state(kind: bytes) -> Callable[[int], None]:
-        return lambda epoch: writer.write(encode_state(kind, epoch))
+    def up(epoch: int) -> None:
+        writer.write(encode_state(UP, epoch))
 
-    keeper = StreamKeeper(cfg, concat_rows, state(UP), state(DOWN), answer)
+    def down(epoch: int, error: errors.EdgeRLError) -> None:
+        writer.write(encode_down(epoch, error))
+
+    keeper = StreamKeeper(cfg, concat_rows, up, down, answer)
 
     async def read_control() -> None:
         """Hand the observations on; stop when the control end closes."""
@@ -198,6 +216,35 @@ async def _main(sock: socket.socket) -> None:
     finally:
         control.cancel()
         writer.close()
+
+
+def spawn() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    """Start a network process; returns its end of the socket pair (non-blocking) and the process.
+
+    Write :func:`encode_settings` to the socket first."""
+    parent, child = socket.socketpair()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgerl.robot_client.netproc", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+        )
+    finally:
+        child.close()
+    parent.setblocking(False)
+    return parent, proc
+
+
+def stop(sock: socket.socket, proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
+    """Close the socket; the network process sees it close, closes its stream and exits
+    (killed if it has not within ``timeout_s``)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:

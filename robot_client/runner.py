@@ -47,7 +47,6 @@ import select
 import selectors
 import socket
 import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -56,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from edgerl.robot_client import netproc
+from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings
 from edgerl.robot_client.robot import Reading, Robot
@@ -268,7 +267,8 @@ class _Outbox:
         self.epoch = epoch
         self.connected = True
 
-    def _down(self, epoch: int) -> None:
+    def _down(self, epoch: int, error: errors.EdgeRLError | None = None) -> None:
+        """The stream of ``epoch`` failed (with ``error``; robots ride through every failure)."""
         self.reconnects += 1
         self._disconnect()
 
@@ -345,16 +345,7 @@ class _ProcessOutbox(_Outbox):
         self._timer_seq = 0
 
     def open(self) -> None:
-        parent, child = socket.socketpair()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "edgerl.robot_client.netproc", str(child.fileno())],
-                pass_fds=(child.fileno(),),
-            )
-        finally:
-            child.close()
-        parent.setblocking(False)
-        self._sock = parent
+        self._sock, self._proc = netproc.spawn()
         self._out = bytearray(netproc.encode_settings(self.settings))
         self._in.clear()
         self._restart_at = math.inf
@@ -363,17 +354,8 @@ class _ProcessOutbox(_Outbox):
         """The network process sees the socket close, closes its stream and exits."""
         self._closing = True
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_WR)
-        if proc is not None:
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if sock is not None:
-            sock.close()
+        if sock is not None and proc is not None:
+            netproc.stop(sock, proc)
 
     def after_slot(self) -> None:
         """Send the slot's observations, take in the answers that came meanwhile."""
@@ -453,7 +435,7 @@ class _ProcessOutbox(_Outbox):
             elif kind == netproc.UP:
                 self._up(netproc.decode_state(payload))
             elif kind == netproc.DOWN:
-                self._down(netproc.decode_state(payload))
+                self._down(*netproc.decode_down(payload))
         self._run_timers()
         self.flush()  # an episode's last observation, queued behind its answer
 

@@ -58,6 +58,19 @@ def test_bad_option_value_is_a_clear_error() -> None:
     assert "envs (2) must be >= workers x groups (2 x 2)" in stderr
 
 
+def test_worker_cpus_are_checked_naming_the_option() -> None:
+    from edgerl.launch.bench_throughput import ThroughputConfig
+
+    stderr = _refused("sim", "--server", "127.0.0.1:1", "--worker-cpus", "x")
+    assert '--worker-cpus ("auto", "off" or CPUs): expected CPU numbers like "0,1"' in stderr
+    with pytest.raises(ValueError, match="worker_cpus needs 2 distinct CPUs"):
+        ThroughputConfig(workers=2, worker_cpus="0")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:  # auto: the last CPU for the one worker, the others for server and network
+        assert ThroughputConfig(worker_cpus="auto").placement() == ([cpus[-1]], frozenset(cpus[:-1]))
+    assert ThroughputConfig().placement() == ([], None)
+
+
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
     stderr = _refused("serve", "--port", "0", "--dtype", "bfloat16")
     assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in stderr

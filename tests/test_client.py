@@ -30,7 +30,8 @@ def test_error_types_carry_their_grpc_code() -> None:
     assert str(err) == "RESOURCE_EXHAUSTED: queue full"
 
 
-def test_sim_worker_runs_real_envs_through_the_server() -> None:
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_sim_worker_runs_real_envs_through_the_server(network_process: bool) -> None:
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:
             cfg = SimWorkerConfig(
@@ -39,13 +40,17 @@ def test_sim_worker_runs_real_envs_through_the_server() -> None:
                 num_envs=6,
                 groups=2,
                 max_steps=600,
+                network_process=network_process,
             )
             worker = SimWorker(cfg)
             progress = await worker.run()
             worker.close()
             stats = server.batcher.stats
         assert progress.steps == 600
-        assert stats.rows == 600 + 6  # every step answered, plus the last sends in flight at the end
+        if network_process:  # the last sends may still be in the network process when it is closed
+            assert 600 <= stats.rows <= 600 + 6
+        else:
+            assert stats.rows == 600 + 6  # every step answered, plus the last sends in flight at the end
         # Echoing the first observation entry as the action pushes the cart the way it leans: episodes end.
         assert len(progress.episode_returns) > 0
         assert all(length >= 1 for length in progress.episode_lengths)
@@ -60,7 +65,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_worker_reconnects_with_backoff_until_the_server_comes_up() -> None:
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_process: bool) -> None:
     async def main() -> None:
         port = _free_port()
         cfg = SimWorkerConfig(
@@ -71,6 +77,7 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up() -> None:
             timeout_s=1.0,
             backoff_initial_s=0.05,
             backoff_max_s=0.2,
+            network_process=network_process,
         )
         worker = SimWorker(cfg)
         task = asyncio.ensure_future(worker.run())
@@ -89,7 +96,8 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up() -> None:
     run(main())
 
 
-def test_worker_gives_up_after_its_budget() -> None:
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
     async def main() -> None:
         cfg = SimWorkerConfig(
             server=f"127.0.0.1:{_free_port()}",
@@ -99,13 +107,48 @@ def test_worker_gives_up_after_its_budget() -> None:
             backoff_initial_s=0.05,
             backoff_max_s=0.1,
             give_up_after_s=1.0,
+            network_process=network_process,
         )
         worker = SimWorker(cfg)
         with pytest.raises(errors.ServerUnavailableError):
-            await worker.run()
+            await asyncio.wait_for(worker.run(), 30)
         worker.close()
 
     run(main())
+
+
+def test_network_process_worker_raises_what_the_server_refused() -> None:
+    """A refusal is no outage: the worker stops with the named error instead of reconnecting."""
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server:  # 4-dim observations
+            cfg = SimWorkerConfig(
+                server=f"127.0.0.1:{server.port}",
+                env_name="HalfCheetah-v5",  # 17-dim observations
+                num_envs=2,
+                network_process=True,
+            )
+            worker = SimWorker(cfg)
+            with pytest.raises(
+                errors.EdgeRLError, match=r"serves observations of shape \(4,\), HalfCheetah-v5"
+            ):
+                await asyncio.wait_for(worker.run(), 30)
+            worker.close()
+        assert worker.progress.steps == 0
+
+    run(main())
+
+
+def test_a_failure_reported_by_name_is_the_same_named_error() -> None:
+    from edgerl.robot_client import netproc
+
+    for sent in (
+        errors.ServerUnavailableError("gone"),
+        errors.PermissionDeniedError("no"),
+        errors.EdgeRLError("x"),
+    ):
+        epoch, got = netproc.decode_down(netproc.split_frames(bytearray(netproc.encode_down(7, sent)))[0])
+        assert epoch == 7 and type(got) is type(sent) and str(got) == str(sent)
 
 
 def test_recv_deadline_raises_deadline_exceeded() -> None:

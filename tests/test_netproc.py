@@ -127,7 +127,8 @@ def test_network_cpus_must_be_cpus_of_this_process_and_need_a_network_process() 
 
 
 def test_bench_keeps_cpus_for_the_control_threads() -> None:
-    from edgerl.launch.bench_robot import BenchRobotConfig, control_cpus, other_cpus
+    from edgerl.launch.bench_robot import BenchRobotConfig, control_cpus
+    from edgerl.launch.processes import other_cpus
 
     cpus = sorted(os.sched_getaffinity(0))
     assert control_cpus("off", 1) == [] and other_cpus([]) is None
