@@ -1,4 +1,4 @@
-"""A robot host's network process: the Act stream, in a process of its own.
+"""A network process: the Act stream of a robot host or a sim worker, in a process of its own.
 
 A :class:`~edgerl.robot_client.runner.RobotHost` ticks its robots on one
 control thread and keeps its Act stream to the edge server in a child
@@ -8,7 +8,10 @@ observations to the socket and takes in whatever answers have come; between
 slots it waits on the socket until the next tick is due. Neither ever waits
 for the other: the child reads the socket and runs the gRPC stream on its
 own core time, so answers are read off the network while the control loop
-is busy, even when it runs behind.
+is busy, even when it runs behind. A
+:class:`~edgerl.robot_client.sim_worker.SimWorker` with ``network_process``
+uses the same child: it writes each env group's observations and waits on the
+socket for their actions, so the gRPC client's work leaves the worker's core.
 
 This module holds both ends' frame codec and the child, which runs a
 :class:`~edgerl.robot_client.keeper.StreamKeeper`. Frames are a
