@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -48,6 +49,42 @@ class StreamSettings:
     """CPUs a network process runs on; empty: any."""
     env_name: str = ""
     """Gymnasium id of the envs behind the stream (empty: robots); the server may check it."""
+
+    @classmethod
+    def of(
+        cls, link: _LinkConfig, session_id: str, num_envs: int, obs_shape: tuple[int, ...], env_name: str = ""
+    ) -> StreamSettings:
+        """The settings of a stream that a robot host's or a sim worker's config describes."""
+        return cls(
+            server=link.server,
+            session_id=session_id,
+            num_envs=num_envs,
+            obs_shape=tuple(obs_shape),
+            timeout_s=link.timeout_s,
+            backoff_initial_s=link.backoff_initial_s,
+            backoff_max_s=link.backoff_max_s,
+            security=dataclasses.asdict(link.security) if link.security is not None else None,
+            log_level=logging.getLogger("edgerl").getEffectiveLevel(),
+            cpus=tuple(link.network_cpus),
+            env_name=env_name,
+        )
+
+
+class _LinkConfig(Protocol):
+    """What :meth:`StreamSettings.of` reads of a client's config."""
+
+    @property
+    def server(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def backoff_initial_s(self) -> float: ...
+    @property
+    def backoff_max_s(self) -> float: ...
+    @property
+    def security(self) -> ClientSecurity | None: ...
+    @property
+    def network_cpus(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)

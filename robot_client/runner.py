@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import heapq
 import logging
@@ -654,18 +653,7 @@ class RobotHost:
         )
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
-        settings = StreamSettings(
-            server=config.server,
-            session_id=self.session_id,
-            num_envs=len(self.links),
-            obs_shape=self.obs_shape,
-            timeout_s=config.timeout_s,
-            backoff_initial_s=config.backoff_initial_s,
-            backoff_max_s=config.backoff_max_s,
-            security=dataclasses.asdict(config.security) if config.security is not None else None,
-            log_level=logging.getLogger("edgerl").getEffectiveLevel(),
-            cpus=config.network_cpus,
-        )
+        settings = StreamSettings.of(config, self.session_id, len(self.links), self.obs_shape)
         outbox = _ProcessOutbox if config.network_process else _ThreadOutbox
         self._outbox: _Outbox = outbox(self.links, settings, self.clock)
         for link in self.links:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import os
@@ -261,19 +260,7 @@ class SimWorker:
         cfg = self.config
         groups, progress = self._groups, self.progress
         net = _NetworkEnd(
-            StreamSettings(
-                server=cfg.server,
-                session_id=self.session_id,
-                num_envs=cfg.num_envs,
-                obs_shape=tuple(self._obs_shape),
-                timeout_s=cfg.timeout_s,
-                backoff_initial_s=cfg.backoff_initial_s,
-                backoff_max_s=cfg.backoff_max_s,
-                security=dataclasses.asdict(cfg.security) if cfg.security is not None else None,
-                log_level=logging.getLogger("edgerl").getEffectiveLevel(),
-                cpus=cfg.network_cpus,
-                env_name=cfg.env_name,
-            )
+            StreamSettings.of(cfg, self.session_id, cfg.num_envs, self._obs_shape, cfg.env_name)
         )
         epoch = 0  # of the open stream; 0: none
         sent: deque[_Group] = deque()  # groups awaiting actions, in the order sent
