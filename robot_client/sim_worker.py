@@ -179,7 +179,12 @@ class SimWorker:
         """
         cfg = self.config
         if cfg.network_process:
-            return await asyncio.to_thread(self.run_blocking, should_stop)
+            cancelled = False
+            try:
+                return await asyncio.to_thread(self.run_blocking, lambda: cancelled or should_stop())
+            except asyncio.CancelledError:
+                cancelled = True  # the thread stops within its next wait (0.1 s)
+                raise
         backoff = cfg.backoff_initial_s
         loop = asyncio.get_running_loop()
         failing_since: float | None = None
@@ -265,7 +270,8 @@ class SimWorker:
         epoch = 0  # of the open stream; 0: none
         sent: deque[_Group] = deque()  # groups awaiting actions, in the order sent
         answered = _Rows()
-        failing_since: float | None = time.monotonic()
+        failing_since = time.monotonic()  # without a stream since; reset by a stream that answered
+        since_up = False  # an answer came on the open stream
         next_report = 0.0
         try:
             while not self._done(should_stop):
@@ -279,7 +285,7 @@ class SimWorker:
                     net.send(epoch, g.rows())
                     sent.append(g)
                     continue
-                if failing_since is not None and now - failing_since > cfg.give_up_after_s:
+                if epoch == 0 and now - failing_since > cfg.give_up_after_s:
                     raise errors.ServerUnavailableError(
                         f"no working stream to {cfg.server} for {cfg.give_up_after_s:.0f}s"
                     )
@@ -290,7 +296,7 @@ class SimWorker:
                     if answer.epoch == epoch:
                         answered.add(answer.actions)
                         progress.last_policy_version = answer.policy_version
-                        failing_since = None
+                        since_up = True
                 elif kind == netproc.UP:
                     epoch = netproc.decode_state(payload)
                     sent.clear()
@@ -305,8 +311,8 @@ class SimWorker:
                     if down == epoch:
                         epoch = 0
                         sent.clear()
-                    if failing_since is None:
-                        failing_since = time.monotonic()
+                    if since_up:  # the last stream worked: count the outage from now
+                        failing_since, since_up = time.monotonic(), False
                     progress.reconnects += 1
                     log.warning("server %s unavailable (%s); reconnecting", cfg.server, error.details)
         finally:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -112,6 +114,47 @@ def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
         worker = SimWorker(cfg)
         with pytest.raises(errors.ServerUnavailableError):
             await asyncio.wait_for(worker.run(), 30)
+        worker.close()
+
+    run(main())
+
+
+def _network_processes() -> int:
+    """This process's children that run a network process."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        count += ppid == os.getpid() and b"edgerl.robot_client.netproc" in cmdline
+    return count
+
+
+def test_cancelling_a_network_process_worker_ends_its_network_process() -> None:
+    async def main() -> None:
+        cfg = SimWorkerConfig(
+            server=f"127.0.0.1:{_free_port()}",  # nothing listens: the worker waits for a stream
+            env_name="InvertedPendulum-v5",
+            num_envs=2,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.1,
+            network_process=True,
+        )
+        worker = SimWorker(cfg)
+        task = asyncio.ensure_future(worker.run())
+        await asyncio.sleep(1.0)
+        assert _network_processes() == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while _network_processes() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _network_processes() == 0
         worker.close()
 
     run(main())
