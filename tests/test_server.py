@@ -306,11 +306,17 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new_work() -> None:
 
 
 def _omp_max_threads() -> int:
-    """OpenMP's thread count for the calling thread, from the libgomp torch loaded."""
+    """OpenMP's thread count for the calling thread, from torch's own libgomp (other packages,
+    e.g. sentencepiece, load copies of their own)."""
     import ctypes
 
+    import torch
+
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     with open("/proc/self/maps") as maps:
-        path = next(line.split()[-1] for line in maps if "libgomp" in line)
+        path = next(
+            p for p in (line.split()[-1] for line in maps) if "libgomp" in p and p.startswith(torch_lib)
+        )
     return int(ctypes.CDLL(path).omp_get_max_threads())
 
 
