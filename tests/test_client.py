@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,19 +33,23 @@ def test_error_types_carry_their_grpc_code() -> None:
     assert str(err) == "RESOURCE_EXHAUSTED: queue full"
 
 
+def _worker(server: str, **fields: Any) -> SimWorker:
+    """A sim worker of InvertedPendulum-v5 envs (unless ``env_name`` says otherwise) against ``server``."""
+    fields.setdefault("env_name", "InvertedPendulum-v5")
+    return SimWorker(SimWorkerConfig(server=server, **fields))
+
+
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
 def test_sim_worker_runs_real_envs_through_the_server(network_process: bool) -> None:
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:
-            cfg = SimWorkerConfig(
+            worker = _worker(
                 server=f"127.0.0.1:{server.port}",
-                env_name="InvertedPendulum-v5",
                 num_envs=6,
                 groups=2,
                 max_steps=600,
                 network_process=network_process,
             )
-            worker = SimWorker(cfg)
             progress = await worker.run()
             worker.close()
             stats = server.batcher.stats
@@ -71,9 +76,8 @@ def _free_port() -> int:
 def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_process: bool) -> None:
     async def main() -> None:
         port = _free_port()
-        cfg = SimWorkerConfig(
+        worker = _worker(
             server=f"127.0.0.1:{port}",
-            env_name="InvertedPendulum-v5",
             num_envs=4,
             max_steps=200,
             timeout_s=1.0,
@@ -81,7 +85,6 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
             backoff_max_s=0.2,
             network_process=network_process,
         )
-        worker = SimWorker(cfg)
         task = asyncio.ensure_future(worker.run())
         await asyncio.sleep(1.5)  # nothing listens yet: the worker keeps retrying
         assert not task.done()
@@ -101,9 +104,8 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
 def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
     async def main() -> None:
-        cfg = SimWorkerConfig(
+        worker = _worker(
             server=f"127.0.0.1:{_free_port()}",
-            env_name="InvertedPendulum-v5",
             num_envs=2,
             timeout_s=0.3,
             backoff_initial_s=0.05,
@@ -111,7 +113,6 @@ def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
             give_up_after_s=1.0,
             network_process=network_process,
         )
-        worker = SimWorker(cfg)
         with pytest.raises(errors.ServerUnavailableError):
             await asyncio.wait_for(worker.run(), 30)
         worker.close()
@@ -136,15 +137,13 @@ def _network_processes() -> int:
 
 def test_cancelling_a_network_process_worker_ends_its_network_process() -> None:
     async def main() -> None:
-        cfg = SimWorkerConfig(
+        worker = _worker(
             server=f"127.0.0.1:{_free_port()}",  # nothing listens: the worker waits for a stream
-            env_name="InvertedPendulum-v5",
             num_envs=2,
             backoff_initial_s=0.05,
             backoff_max_s=0.1,
             network_process=True,
         )
-        worker = SimWorker(cfg)
         task = asyncio.ensure_future(worker.run())
         await asyncio.sleep(1.0)
         assert _network_processes() == 1
@@ -165,13 +164,12 @@ def test_network_process_worker_raises_what_the_server_refused() -> None:
 
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:  # 4-dim observations
-            cfg = SimWorkerConfig(
+            worker = _worker(
                 server=f"127.0.0.1:{server.port}",
                 env_name="HalfCheetah-v5",  # 17-dim observations
                 num_envs=2,
                 network_process=True,
             )
-            worker = SimWorker(cfg)
             with pytest.raises(
                 errors.EdgeRLError, match=r"serves observations of shape \(4,\), HalfCheetah-v5"
             ):
