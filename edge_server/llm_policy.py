@@ -267,8 +267,6 @@ class VLLMPolicyBackend(PolicyBackend):
         """Own the engine: add the batches that arrive, step while sequences run."""
         import torch
 
-        # Only when they differ: vLLM's CPU attention checks that the thread count it planned with
-        # (this thread's OpenMP count) is the one it runs with, and failed when it was set here.
         if torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)
         engine = self.llm.llm_engine

@@ -16,11 +16,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -68,6 +69,23 @@ class StreamSettings:
             cpus=tuple(link.network_cpus),
             env_name=env_name,
         )
+
+
+def check_cpus(config: Any, *names: str) -> None:
+    """Make the CPU fields ``names`` of a frozen ``config`` tuples of this process's CPUs, and
+    check that ``network_cpus`` comes with ``network_process``.
+
+    Raises:
+        ValueError: naming the field.
+    """
+    if config.network_cpus and not config.network_process:
+        raise ValueError("network_cpus needs network_process")
+    allowed = os.sched_getaffinity(0)
+    for name in names:
+        cpus = tuple(getattr(config, name))
+        object.__setattr__(config, name, cpus)
+        if not set(cpus) <= allowed:
+            raise ValueError(f"{name} {cpus} are not all among this process's CPUs {sorted(allowed)}")
 
 
 class _LinkConfig(Protocol):

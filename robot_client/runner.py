@@ -56,7 +56,7 @@ import numpy as np
 
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings
+from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, check_cpus
 from edgerl.robot_client.robot import Reading, Robot
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
@@ -143,14 +143,7 @@ class RobotRunnerConfig:
     def __post_init__(self) -> None:
         if self.robots_per_slot < 1:
             raise ValueError(f"robots_per_slot must be >= 1, got {self.robots_per_slot}")
-        object.__setattr__(self, "network_cpus", tuple(self.network_cpus))
-        if self.network_cpus and not self.network_process:
-            raise ValueError("network_cpus needs network_process")
-        allowed = os.sched_getaffinity(0)
-        if not set(self.network_cpus) <= allowed:
-            raise ValueError(
-                f"network_cpus {self.network_cpus} are not all among this process's CPUs {sorted(allowed)}"
-            )
+        check_cpus(self, "network_cpus")
         if self.refill_at < 0:
             raise ValueError(f"refill_at must be >= 0, got {self.refill_at}")
         if self.timeout_s <= 0 or self.connect_timeout_s < 0:

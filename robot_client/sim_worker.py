@@ -30,7 +30,7 @@ import numpy as np
 
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
-from edgerl.robot_client.keeper import ObsRows, StreamSettings
+from edgerl.robot_client.keeper import ObsRows, StreamSettings, check_cpus
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.envs import env_spec, make_vector_env
 
@@ -84,14 +84,7 @@ class SimWorkerConfig:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
-        if self.network_cpus and not self.network_process:
-            raise ValueError("network_cpus needs network_process")
-        allowed = os.sched_getaffinity(0)
-        for name in ("cpus", "network_cpus"):
-            cpus = tuple(getattr(self, name))
-            object.__setattr__(self, name, cpus)
-            if not set(cpus) <= allowed:
-                raise ValueError(f"{name} {cpus} are not all among this process's CPUs {sorted(allowed)}")
+        check_cpus(self, "cpus", "network_cpus")
 
 
 @dataclass
