@@ -180,7 +180,7 @@ class _ServedMLP:
     overhead dominates at batch sizes of a few dozen rows. On 32-row batches
     (sampling included) this took 220 us where the module's forward alone
     took 350 us with the ``mlp`` preset, and 1.0 ms where it took 1.4 ms with
-    ``mlp-large``. The copy is taken at construction and after each weight
+    three 768-wide layers (``mlp-large`` then). The copy is taken at construction and after each weight
     swap: change the module's weights through
     :meth:`TorchPolicyBackend.load_weights` only.
     """
