@@ -31,7 +31,7 @@ import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import PolicySpec, ServerProcess, configure_logging, kept_cpus, other_cpus
-from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig
+from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig, chunk_defaults
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,12 @@ class BenchRobotConfig:
     """Engine dtype of the llm policy."""
     chunk: int = 1
     """Actions per policy answer (action chunks when > 1)."""
-    refill_at: int = 1
-    """A robot asks for new actions when this many or fewer are left."""
-    deadline_ms: float = 20.0
-    """Latency budget of a policy action (ms)."""
+    refill_at: int | None = None
+    """A robot asks for new actions when this many or fewer are left; None: as
+    :func:`~edgerl.launch.robot.chunk_defaults` (1 without chunks, half a chunk with)."""
+    deadline_ms: float | None = None
+    """Latency budget of a policy action (ms); None: as
+    :func:`~edgerl.launch.robot.chunk_defaults` (20 ms without chunks, a chunk's span with)."""
     fallback: Fallback = Fallback.HOLD
     estop_after: int = 150
     """Consecutive fallbacks that latch an e-stop (150 = 3 s at 50 Hz, longer than the outage)."""
@@ -100,6 +102,13 @@ class BenchRobotConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        deadline_ms, refill_at = chunk_defaults(self.hz, self.chunk)
+        if self.deadline_ms is None:
+            object.__setattr__(self, "deadline_ms", deadline_ms)
+        if self.refill_at is None:
+            object.__setattr__(self, "refill_at", refill_at)
         if self.robots < 1 or not 1 <= self.processes <= self.robots:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
         control_cpus(self.control_cpu, self.processes, self.network_process)  # fails naming the field
@@ -135,6 +144,7 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
         MujocoRobot(cfg.env, hz=cfg.hz, seed=cfg.seed * 10_000 + first + i, name=f"robot-{first + i}")
         for i in range(count)
     ]
+    assert cfg.deadline_ms is not None and cfg.refill_at is not None  # set in __post_init__
     run_cfg = RobotRunnerConfig(
         server,
         WatchdogConfig(

@@ -17,26 +17,48 @@ import numpy as np
 from edgerl.launch.processes import parse_cpus
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, load_robot, robot_class
-from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.robot_client.runner import DEFAULT_DEADLINE_MS, LinkFaults, RobotHost, RobotRunnerConfig
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 
-def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int) -> None:
+def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int, chunked: bool = False) -> None:
     """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
-    e-stop, when to ask for new actions and where the stream runs."""
+    e-stop, when to ask for new actions and where the stream runs. With ``chunked`` (a command
+    with ``--chunk``) the deadline and refill level default to
+    :func:`~edgerl.robot_client.runner.chunk_defaults`."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
-    p.add_argument("--deadline-ms", type=float, default=20.0, help="latency budget of a policy action (ms)")
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=None if chunked else DEFAULT_DEADLINE_MS,
+        help="latency budget of a policy action (ms)"
+        + (
+            "; None: 20, or with --chunk K > 1 the chunk's span, 1000 K / hz"
+            if chunked
+            else "; a policy serving chunks of K actions may take up to the chunk's span, 1000 K / hz"
+        ),
+    )
     p.add_argument(
         "--estop-after",
         type=int,
         default=estop_after,
         help="consecutive fallbacks that latch an e-stop (0: never)",
     )
-    p.add_argument("--refill-at", type=int, default=1, help="ask for actions when this many are left")
+    p.add_argument(
+        "--refill-at",
+        type=int,
+        default=None if chunked else 1,
+        help="ask for actions when this many are left"
+        + (
+            "; None: 1, or with --chunk K > 1, K // 2"
+            if chunked
+            else "; with chunks of K actions, K // 2 suits"
+        ),
+    )
     p.add_argument(
         "--network-process",
         action="store_true",

@@ -74,6 +74,24 @@ RESTART_DELAY_S = 1.0
 """A network process that ended is replaced after this long (seconds)."""
 
 
+DEFAULT_DEADLINE_MS = 20.0
+"""Latency budget of a policy action without action chunks (ms)."""
+
+
+def chunk_defaults(hz: float, chunk: int) -> tuple[float, int]:
+    """The deadline (ms) and refill level that suit answers of ``chunk`` actions at ``hz``.
+
+    One action per answer: 20 ms, and ask again when one action is left. A chunk of
+    ``K > 1`` actions covers the next ``K`` ticks, so an answer is of use until the
+    chunk's span (``K / hz``) has passed: that is its deadline, and a robot asks for the
+    next chunk when half of the held one is left (as LeRobot's asynchronous inference
+    does), so a policy call may take up to about half the span without a fallback.
+    """
+    if chunk <= 1:
+        return DEFAULT_DEADLINE_MS, 1
+    return 1e3 * chunk / hz, chunk // 2
+
+
 @dataclass(frozen=True)
 class LinkFaults:
     """Faults injected on the way from the server to the robot (tests and benchmarks)."""

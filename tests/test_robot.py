@@ -11,10 +11,11 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.models import build_policy
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
-from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
@@ -234,6 +235,37 @@ def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
     assert s["action_age_ms_p99"] > 40.0  # later actions of a chunk are older
 
 
+def test_chunk_defaults_give_a_chunk_its_span_and_ask_at_half() -> None:
+    assert chunk_defaults(50.0, 1) == (20.0, 1)
+    assert chunk_defaults(20.0, 4) == (200.0, 2)
+    assert chunk_defaults(50.0, 5) == (100.0, 2)
+    cfg = BenchRobotConfig(hz=20.0, chunk=4, policy="llm")
+    assert (cfg.deadline_ms, cfg.refill_at) == (200.0, 2)
+    cfg = BenchRobotConfig(hz=20.0, chunk=4, deadline_ms=100.0, refill_at=1)  # given values stay
+    assert (cfg.deadline_ms, cfg.refill_at) == (100.0, 1)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        BenchRobotConfig(chunk=0)
+
+
+def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
+    """Answers 30 ms late: every one misses the 20 ms deadline of single actions, while chunks of
+    4 (80 ms at 50 Hz), asked for when 2 are left, arrive in time for their actions."""
+    net = build_policy("mlp-small", 3, 2 * 4, seed=0)
+    late = LinkFaults(delay_ms=30.0)
+    stats = {}
+    for name, (deadline_ms, refill_at) in (
+        ("single", chunk_defaults(HZ, 1)),
+        ("chunk", chunk_defaults(HZ, 4)),
+    ):
+        with ServerThread(TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)) as srv:
+            cfg = _config(
+                srv.address, refill_at=refill_at, faults=late, watchdog={"deadline_s": deadline_ms / 1e3}
+            )
+            (stats[name],) = _run(RobotHost([CounterRobot()], cfg), 1.5)
+    assert stats["single"]["policy_ticks"] == 0 and stats["single"]["late_actions"] >= 5
+    assert stats["chunk"]["fallbacks"] <= 4 and stats["chunk"]["policy_ticks"] >= stats["chunk"]["ticks"] - 4
+
+
 def test_chunk_backend_needs_matching_output() -> None:
     net = build_policy("mlp-small", 3, 6, seed=0)
     with pytest.raises(ValueError, match="chunk"):
@@ -277,6 +309,8 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
         c["baseline_s"],
         c["fallback"],
         c["control_cpu"],
+        c["deadline_ms"],
+        c["refill_at"],
     ) == (
         4,
         "mlp-small",
@@ -284,6 +318,8 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
         0.5,
         "hold",
         "auto",
+        20.0,  # no chunks: the single-action defaults
+        1,
     )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
