@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
     _add_policy(p)
     p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
-    robot_cli.add_watchdog_arguments(p, estop_after=150, chunked=True)
+    robot_cli.add_watchdog_arguments(p, estop_after=150, serves_policy=True)
     p.add_argument("--processes", type=int, default=1, help="robot processes")
     p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
     p.add_argument(

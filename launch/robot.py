@@ -24,21 +24,24 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 
 
-def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int, chunked: bool = False) -> None:
+def add_watchdog_arguments(
+    p: argparse.ArgumentParser, *, estop_after: int, serves_policy: bool = False
+) -> None:
     """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
-    e-stop, when to ask for new actions and where the stream runs. With ``chunked`` (a command
-    with ``--chunk``) the deadline and refill level default to
-    :func:`~edgerl.robot_client.runner.chunk_defaults`."""
+    e-stop, when to ask for new actions and where the stream runs. With ``serves_policy`` (a
+    command that starts the server, so knows ``--chunk`` and ``--policy``) the deadline and
+    refill level default to :func:`~edgerl.robot_client.runner.chunk_defaults`, and the
+    stream's placement to a network process behind the LLM policy."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument(
         "--deadline-ms",
         type=float,
-        default=None if chunked else DEFAULT_DEADLINE_MS,
+        default=None if serves_policy else DEFAULT_DEADLINE_MS,
         help="latency budget of a policy action (ms)"
         + (
             "; None: 20, or with --chunk K > 1 the chunk's span, 1000 K / hz"
-            if chunked
+            if serves_policy
             else "; a policy serving chunks of K actions may take up to the chunk's span, 1000 K / hz"
         ),
     )
@@ -51,19 +54,26 @@ def add_watchdog_arguments(p: argparse.ArgumentParser, *, estop_after: int, chun
     p.add_argument(
         "--refill-at",
         type=int,
-        default=None if chunked else 1,
+        default=None if serves_policy else 1,
         help="ask for actions when this many are left"
         + (
             "; None: 1, or with --chunk K > 1, K // 2"
-            if chunked
+            if serves_policy
             else "; with chunks of K actions, K // 2 suits"
         ),
     )
     p.add_argument(
         "--network-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction if serves_policy else "store_true",
+        default=None if serves_policy else False,
         help="run the stream in a network process of its own instead of on the control thread: "
-        "answers are taken in while the loop runs behind (fewer fallbacks after a stall, more skipped ticks)",
+        "answers are taken in while the loop runs behind (fewer fallbacks after a stall, more skipped ticks)"
+        + (
+            "; None: on for --policy llm, whose engine shares the cores (the control threads then keep "
+            "one of their own), else off"
+            if serves_policy
+            else ""
+        ),
     )
 
 

@@ -235,14 +235,18 @@ def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
     assert s["action_age_ms_p99"] > 40.0  # later actions of a chunk are older
 
 
-def test_chunk_defaults_give_a_chunk_its_span_and_ask_at_half() -> None:
+def test_bench_robot_defaults_suit_the_policy() -> None:
     assert chunk_defaults(50.0, 1) == (20.0, 1)
     assert chunk_defaults(20.0, 4) == (200.0, 2)
     assert chunk_defaults(50.0, 5) == (100.0, 2)
     cfg = BenchRobotConfig(hz=20.0, chunk=4, policy="llm")
     assert (cfg.deadline_ms, cfg.refill_at) == (200.0, 2)
-    cfg = BenchRobotConfig(hz=20.0, chunk=4, deadline_ms=100.0, refill_at=1)  # given values stay
-    assert (cfg.deadline_ms, cfg.refill_at) == (100.0, 1)
+    assert cfg.network_process  # behind the engine, the streams leave the control threads
+    assert not BenchRobotConfig(policy="mlp").network_process
+    cfg = BenchRobotConfig(
+        hz=20.0, chunk=4, deadline_ms=100.0, refill_at=1, policy="llm", network_process=False
+    )
+    assert (cfg.deadline_ms, cfg.refill_at, cfg.network_process) == (100.0, 1, False)  # given values stay
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         BenchRobotConfig(chunk=0)
 
@@ -311,6 +315,7 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
         c["control_cpu"],
         c["deadline_ms"],
         c["refill_at"],
+        c["network_process"],
     ) == (
         4,
         "mlp-small",
@@ -320,6 +325,7 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
         "auto",
         20.0,  # no chunks: the single-action defaults
         1,
+        False,  # an MLP: the stream stays on the control thread
     )
     for key in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99"):
         assert isinstance(r[key], float) and r[key] >= 0.0
