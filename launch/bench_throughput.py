@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -74,11 +74,13 @@ class ThroughputConfig:
     """Engine dtype of the llm policy, in-process and in the server alike."""
     seed: int = 0
     """Seed of envs and weights."""
-    network_process: bool = False
-    """Each sim worker of async_stream runs its Act stream in a network process of its own."""
-    worker_cpus: str = "off"
+    network_process: bool | None = None
+    """Each sim worker of async_stream runs its Act stream in a network process of its own;
+    None: chosen with ``worker_cpus`` by :func:`choose_placement`."""
+    worker_cpus: str | None = None
     """CPUs of the async_stream sim workers, one each ("auto": the last CPUs, if some are left for
-    the server and the network processes, which then run on the others; "off": no pinning)."""
+    the server and the network processes, which then run on the others; "off": no pinning);
+    None: chosen with ``network_process`` by :func:`choose_placement`."""
 
     def __post_init__(self) -> None:
         if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
@@ -87,13 +89,48 @@ class ThroughputConfig:
             raise ValueError(f"groups must be >= 0 (0: by policy), got {self.groups}")
         if self.groups == 0:
             object.__setattr__(self, "groups", 1 if self.policy == LLM_PRESET else 2)
-        kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
+        if self.worker_cpus is not None:
+            kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
 
     def placement(self) -> tuple[list[int], frozenset[int] | None]:
         """The sim workers' CPUs (one each; [] for any) and those of the server and the network
         processes (None: any)."""
-        workers = kept_cpus(self.worker_cpus, self.workers, "worker_cpus")
+        workers = kept_cpus(self.worker_cpus or "off", self.workers, "worker_cpus")
         return workers, other_cpus(workers)
+
+    def placed(self, env_s: float, inference_s: float) -> ThroughputConfig:
+        """This config with the placement :func:`choose_placement` gives for these costs, where
+        ``worker_cpus`` or ``network_process`` is None."""
+        worker_cpus, network_process = choose_placement(env_s, inference_s)
+        return replace(
+            self,
+            worker_cpus=worker_cpus if self.worker_cpus is None else self.worker_cpus,
+            network_process=network_process if self.network_process is None else self.network_process,
+        )
+
+
+NETWORK_PROCESS_BELOW = 0.25
+"""Inference cheaper than this share of env stepping: the sim worker's core is the bottleneck."""
+
+
+def choose_placement(env_s: float, inference_s: float) -> tuple[str, bool]:
+    """Where async_stream's sim workers and their streams run (``worker_cpus``, ``network_process``),
+    given the time the in-process loop spent stepping the envs and in inference.
+
+    Measured side by side on the reference 2-core machine (64 HalfCheetah envs, medians of 3):
+    - inference under a quarter of env stepping (``mlp``: 0.09) leaves the worker's core the
+      bottleneck, its gRPC client included: a network process takes that off the worker, which
+      keeps a CPU of its own (1.016x the in-process loop, against 0.85x unplaced and 0.79x
+      with the CPU alone);
+    - inference about as costly as env stepping (``mlp-large``: 0.88) makes the server's core
+      the busier one, which a network process would share: the worker keeps a CPU of its own
+      (1.32x, against 1.27x unplaced and 0.98x with a network process too);
+    - inference costlier than env stepping (``llm``: ~15x) needs every CPU for the engine:
+      nothing is pinned and the stream stays in the worker.
+    """
+    if inference_s > env_s:
+        return "off", False
+    return "auto", inference_s < NETWORK_PROCESS_BELOW * env_s
 
 
 def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
@@ -107,12 +144,13 @@ def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
     return steps / elapsed
 
 
-def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
-    """Env steps/s of the in-process loop, and its overlap bound.
+def overlap_bound(env_s: float, inference_s: float) -> float:
+    """(env + inference) / max(env, inference): the speed-up a perfect overlap of the two could give."""
+    return (env_s + inference_s) / max(env_s, inference_s, 1e-12)
 
-    The bound is (env + inference) / max(env, inference) of the time this loop
-    spends in each: the speed-up a perfect overlap of the two could give.
-    """
+
+def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float, float]:
+    """Env steps/s of the in-process loop, and the seconds it spent stepping the envs and in inference."""
     from edgerl.sim.envs import make_vector_env
 
     backend, spec = build_backend(PolicySpec.from_options(cfg))
@@ -134,8 +172,7 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float]:
     finally:
         envs.close()
         backend.close()
-    env_s, inf_s = spent["env"], spent["inference"]
-    return sps, (env_s + inf_s) / max(env_s, inf_s, 1e-12)
+    return sps, spent["env"], spent["inference"]
 
 
 def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
@@ -184,7 +221,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
             groups=cfg.groups,
             seed=cfg.seed,
             session_id="bench",
-            network_process=cfg.network_process,
+            network_process=bool(cfg.network_process),
             network_cpus=tuple(sorted(others or ())) if cfg.network_process else (),
         ),
         cfg.workers,
@@ -202,21 +239,31 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
 
 
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary."""
+    """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary.
+
+    The first in-process run comes before the server starts: where ``cfg`` leaves the placement
+    open, the time it spent in the envs and in inference chooses it (:func:`choose_placement`).
+    """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     policy = PolicySpec.from_options(cfg)
     bounds: list[float] = []
     stream_stats: dict[str, Any] = {}
+    progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
+    first = run_sync_inprocess(cfg)
+    cfg = cfg.placed(first[1], first[2])
+    stream = "in a network process" if cfg.network_process else "in the worker"
+    progress(f"  placement: sim worker CPUs {cfg.worker_cpus}, stream {stream}")
     server_cpus = cfg.placement()[1]
     with ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), cpus=server_cpus
     ) as server:
         for r in range(cfg.repeats):
             for mode in MODES:
-                progress(f"repeat {r + 1}/{cfg.repeats}: {mode} ({cfg.seconds:.0f}s)")
+                if r or mode != "sync_inprocess":
+                    progress(f"repeat {r + 1}/{cfg.repeats}: {mode} ({cfg.seconds:.0f}s)")
                 if mode == "sync_inprocess":
-                    sps, bound = run_sync_inprocess(cfg)
-                    bounds.append(bound)
+                    sps, env_s, inf_s = run_sync_inprocess(cfg) if r else first
+                    bounds.append(overlap_bound(env_s, inf_s))
                 elif mode == "sync_unary":
                     sps = run_sync_unary(cfg, server.address)
                 else:

@@ -138,19 +138,33 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
     _add_worker_placement(p)
 
 
-def _add_worker_placement(p: argparse.ArgumentParser) -> None:
+def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> None:
+    """``--network-process`` and ``--worker-cpus``; with ``chosen`` (``bench throughput``) they
+    default to None: chosen from the first in-process run (``bench_throughput.choose_placement``)."""
+    chooses = (
+        "; None: chosen with --worker-cpus from the first in-process run (on where inference costs "
+        "under a quarter of env stepping)"
+    )
     p.add_argument(
         "--network-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction if chosen else "store_true",
+        default=None if chosen else False,
         help="each sim worker runs its Act stream in a network process of its own: the worker's "
-        "core only steps envs (worth it where that core is the bottleneck and another has room)",
+        "core only steps envs (worth it where that core is the bottleneck and another has room)"
+        + (chooses if chosen else ""),
     )
     p.add_argument(
         "--worker-cpus",
-        default="off",
+        default=None if chosen else "off",
         help='CPUs of the sim workers, one per worker ("1", "2,3"); "auto": the last CPUs, one per '
         "worker, if some are left for the server and the network processes, which run on the others; "
-        '"off": no pinning',
+        '"off": no pinning'
+        + (
+            "; None: chosen with --network-process from the first in-process run (auto unless "
+            "inference costs more than env stepping)"
+            if chosen
+            else ""
+        ),
     )
 
 
@@ -257,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="env groups per worker in async_stream (0: 1 for --policy llm, whose batch of all "
         "envs costs less than two halves, else 2: double-buffered)",
     )
-    _add_worker_placement(p)
+    _add_worker_placement(p, chosen=True)
     p.add_argument(
         "--max-delay-us",
         type=int,

@@ -71,6 +71,21 @@ def test_worker_cpus_are_checked_naming_the_option() -> None:
     assert ThroughputConfig().placement() == ([], None)
 
 
+def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
+    from edgerl.launch.bench_throughput import ThroughputConfig, choose_placement
+
+    assert choose_placement(env_s=1.0, inference_s=0.1) == (
+        "auto",
+        True,
+    )  # the worker's core is the bottleneck
+    assert choose_placement(env_s=1.0, inference_s=0.9) == ("auto", False)  # the server's core is
+    assert choose_placement(env_s=1.0, inference_s=15.0) == ("off", False)  # the engine needs every CPU
+    cfg = ThroughputConfig().placed(1.0, 0.1)
+    assert (cfg.worker_cpus, cfg.network_process) == ("auto", True)
+    cfg = ThroughputConfig(worker_cpus="off", network_process=False).placed(1.0, 0.1)  # given values stay
+    assert (cfg.worker_cpus, cfg.network_process) == ("off", False)
+
+
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
     stderr = _refused("serve", "--port", "0", "--dtype", "bfloat16")
     assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in stderr
@@ -98,6 +113,8 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     for mode in ("sync_inprocess", "sync_unary", "async_stream"):
         assert result[mode] > 0
     assert result["config"]["groups"] == 2  # the MLP's default: double-buffered
+    c = result["config"]  # the placement was chosen from the first in-process run
+    assert c["worker_cpus"] in ("auto", "off") and isinstance(c["network_process"], bool)
     assert (result["config"]["envs"], result["config"]["seconds"]) == (8, 1.5)
     assert result["ratios"]["async_stream/sync_unary"] == pytest.approx(
         result["async_stream"] / result["sync_unary"], rel=1e-2
