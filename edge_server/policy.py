@@ -180,9 +180,9 @@ class _ServedMLP:
     overhead dominates at batch sizes of a few dozen rows. On 32-row batches
     (sampling included) this took 220 us where the module's forward alone
     took 350 us with the ``mlp`` preset, and 1.0 ms where it took 1.4 ms with
-    three 768-wide layers (``mlp-large`` then). The copy is taken at construction and after each weight
-    swap: change the module's weights through
-    :meth:`TorchPolicyBackend.load_weights` only.
+    three 768-wide layers (``mlp-large`` then). The copy is taken at
+    construction and after each weight swap: change the module's weights
+    through :meth:`TorchPolicyBackend.load_weights` only.
     """
 
     def __init__(self, policy: GaussianMLPPolicy, with_critic: bool) -> None:

@@ -63,10 +63,10 @@ class BenchRobotConfig:
     """Actions per policy answer (action chunks when > 1)."""
     refill_at: int | None = None
     """A robot asks for new actions when this many or fewer are left; None: as
-    :func:`~edgerl.launch.robot.chunk_defaults` (1 without chunks, half a chunk with)."""
+    :func:`~edgerl.robot_client.runner.chunk_defaults` (1 without chunks, half a chunk with)."""
     deadline_ms: float | None = None
     """Latency budget of a policy action (ms); None: as
-    :func:`~edgerl.launch.robot.chunk_defaults` (20 ms without chunks, a chunk's span with)."""
+    :func:`~edgerl.robot_client.runner.chunk_defaults` (20 ms without chunks, a chunk's span with)."""
     fallback: Fallback = Fallback.HOLD
     estop_after: int = 150
     """Consecutive fallbacks that latch an e-stop (150 = 3 s at 50 Hz, longer than the outage)."""
