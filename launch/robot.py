@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import inspect
 import json
+import logging
 import signal
 import threading
 import time
@@ -15,35 +17,35 @@ from typing import Any
 import numpy as np
 
 from edgerl.launch.processes import parse_cpus
+from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, load_robot, robot_class
-from edgerl.robot_client.runner import DEFAULT_DEADLINE_MS, LinkFaults, RobotHost, RobotRunnerConfig
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
+
+log = logging.getLogger(__name__)
 
 
 def add_watchdog_arguments(
     p: argparse.ArgumentParser, *, estop_after: int, serves_policy: bool = False
 ) -> None:
     """Options shared by ``edgerl robot`` and ``edgerl bench robot``: rate, deadline, fallback,
-    e-stop, when to ask for new actions and where the stream runs. With ``serves_policy`` (a
-    command that starts the server, so knows ``--chunk`` and ``--policy``) the deadline and
-    refill level default to :func:`~edgerl.robot_client.runner.chunk_defaults`, and the
-    stream's placement to a network process behind the LLM policy."""
+    e-stop, when to ask for new actions and where the stream runs. The deadline and refill level
+    default to None: :func:`~edgerl.robot_client.runner.chunk_defaults` for the chunk length of
+    the policy. With ``serves_policy`` (a command that starts the server, so knows ``--chunk``
+    and ``--policy``) the stream's placement defaults to a network process behind the LLM policy."""
     p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument(
         "--deadline-ms",
         type=float,
-        default=None if serves_policy else DEFAULT_DEADLINE_MS,
-        help="latency budget of a policy action (ms)"
-        + (
-            "; None: 20, or with --chunk K > 1 the chunk's span, 1000 K / hz"
-            if serves_policy
-            else "; a policy serving chunks of K actions may take up to the chunk's span, 1000 K / hz"
-        ),
+        default=None,
+        help="latency budget of a policy action (ms); None: 20, or with chunks of K > 1 actions the "
+        "chunk's span, 1000 K / hz"
+        + (" (K: --chunk)" if serves_policy else " (K: the server's, asked with Describe at start)"),
     )
     p.add_argument(
         "--estop-after",
@@ -54,13 +56,8 @@ def add_watchdog_arguments(
     p.add_argument(
         "--refill-at",
         type=int,
-        default=None if serves_policy else 1,
-        help="ask for actions when this many are left"
-        + (
-            "; None: 1, or with --chunk K > 1, K // 2"
-            if serves_policy
-            else "; with chunks of K actions, K // 2 suits"
-        ),
+        default=None,
+        help="ask for actions when this many are left; None: 1, or with chunks of K > 1 actions, K // 2",
     )
     p.add_argument(
         "--network-process",
@@ -142,19 +139,40 @@ def build_robots(a: argparse.Namespace) -> list[Robot]:
     return robots
 
 
-def runner_config(a: argparse.Namespace) -> RobotRunnerConfig:
+def server_chunk(server: str, security: ClientSecurity | None, timeout_s: float = 5.0) -> int:
+    """Actions per answer of the policy served at ``server`` (from its Describe); 1, with a
+    warning, if the server cannot be asked now (the robots start anyway and connect later)."""
+    from edgerl.robot_client.client import EdgeClient
+
+    async def ask() -> int:
+        async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
+            await client.wait_ready(timeout_s)
+            return (await client.describe()).action_chunk
+
+    try:
+        return asyncio.run(ask())
+    except (errors.EdgeRLError, TimeoutError) as exc:
+        log.warning("could not ask %s for its action chunk (%s): deadline and refill as for single actions",
+                    server, exc)  # fmt: skip
+        return 1
+
+
+def runner_config(a: argparse.Namespace, chunk: int = 1) -> RobotRunnerConfig:
+    """The runner config of ``edgerl robot``'s options; ``chunk``, the policy's actions per answer,
+    sets the deadline and refill level the options leave open (:func:`chunk_defaults`)."""
     pose = tuple(float(x) for x in a.safe_pose.split(",")) if a.safe_pose else None
+    deadline_ms, refill_at = chunk_defaults(a.hz, chunk)
     return RobotRunnerConfig(
         a.server,
         WatchdogConfig(
             hz=a.hz,
-            deadline_s=a.deadline_ms / 1e3,
+            deadline_s=(deadline_ms if a.deadline_ms is None else a.deadline_ms) / 1e3,
             fallback=Fallback(a.fallback),
             max_delta=a.max_delta,
             estop_after=a.estop_after,
             safe_pose=pose,
         ),
-        refill_at=a.refill_at,
+        refill_at=refill_at if a.refill_at is None else a.refill_at,
         network_process=a.network_process,
         network_cpus=parse_cpus(a.network_cpus, "--network-cpus"),
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
@@ -178,7 +196,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     stop = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        cfg = dataclasses.replace(runner_config(a), security=security)
+        chunk = server_chunk(a.server, security) if a.deadline_ms is None or a.refill_at is None else 1
+        cfg = dataclasses.replace(runner_config(a, chunk), security=security)
+        if chunk > 1:
+            print(
+                f"edgerl robot: the policy answers with chunks of {chunk} actions: deadline "
+                f"{cfg.watchdog.deadline_s * 1e3:g} ms, refill at {cfg.refill_at}",
+                flush=True,
+            )
         recorder = (
             BagRecorder(a.record, [RobotTopics(r.name, r.joint_names, r.action_low.size) for r in robots])
             if a.record

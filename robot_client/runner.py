@@ -635,7 +635,7 @@ class RobotHost:
         robots: the robots, all with the same observation shape and unique names.
         config: link and watchdog settings shared by all of them.
         session_id: the stream's identity (transitions are keyed by it and the
-            robot index); default: the robot's name for one robot, else ``host/pid``.
+            robot index); default: the robot's name for one robot with a name, else ``host/pid``.
         clock: the control loop's clock.
         on_tick: called after each tick of any robot (control thread).
     """
@@ -659,8 +659,12 @@ class RobotHost:
             raise ValueError(f"robot names must be unique, got {names}")
         self.obs_shape = shapes.pop()
         self.config = config
-        self.session_id = session_id or (
-            robots[0].name if len(robots) == 1 else f"{socket.gethostname()}/{os.getpid()}"
+        # a robot without a name (``edgerl robot`` names a lone robot "") gets host/pid too: the
+        # server refuses an empty session id, and the stream would be refused and reopened forever
+        self.session_id = (
+            session_id
+            or (robots[0].name if len(robots) == 1 else "")
+            or f"{socket.gethostname()}/{os.getpid()}"
         )
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]

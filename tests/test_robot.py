@@ -270,6 +270,43 @@ def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
     assert stats["chunk"]["fallbacks"] <= 4 and stats["chunk"]["policy_ticks"] >= stats["chunk"]["ticks"] - 4
 
 
+def test_edgerl_robot_takes_the_chunk_defaults_from_the_server(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Answers 30 ms late, chunks of 4: ``edgerl robot`` asks the server for its chunk length and
+    applies the chunks; told the 20 ms deadline of single actions, it applies none."""
+    net = build_policy("mlp-small", 3, 2 * 4, seed=0)
+    robots = {}
+    with ServerThread(TorchPolicyBackend(net, -np.ones(2), np.ones(2), chunk=4)) as srv:
+        for name, extra in (("chunk", []), ("single", ["--deadline-ms", "20", "--refill-at", "1"])):
+            out = tmp_path / f"{name}.json"
+            code = main(
+                ["robot", "--server", srv.address, "--robot", "tests.test_robot:CounterRobot", "--hz", "50",
+                 "--seconds", "1.5", "--delay-ms", "30", "--json", str(out), *extra]
+            )  # fmt: skip
+            assert code == 0
+            (robots[name],) = json.loads(out.read_text())["robots"]
+    assert "chunks of 4 actions: deadline 80 ms, refill at 2" in capsys.readouterr().out
+    assert robots["chunk"]["policy_ticks"] >= robots["chunk"]["ticks"] - 5
+    assert robots["single"]["policy_ticks"] == 0
+
+
+def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
+    import os
+    import socket
+
+    host = RobotHost([CounterRobot(name="")], _config("127.0.0.1:1"))  # the server refuses ""
+    assert host.session_id == f"{socket.gethostname()}/{os.getpid()}"
+    assert RobotHost([CounterRobot(name="arm")], _config("127.0.0.1:1")).session_id == "arm"
+
+
+def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
+    from edgerl.launch.robot import server_chunk
+
+    assert server_chunk("127.0.0.1:1", None, timeout_s=0.5) == 1
+    assert "could not ask 127.0.0.1:1 for its action chunk" in caplog.text
+
+
 def test_chunk_backend_needs_matching_output() -> None:
     net = build_policy("mlp-small", 3, 6, seed=0)
     with pytest.raises(ValueError, match="chunk"):
