@@ -152,8 +152,9 @@ def server_chunk(server: str, security: ClientSecurity | None, timeout_s: float 
     try:
         return asyncio.run(ask())
     except (errors.EdgeRLError, TimeoutError) as exc:
-        log.warning("could not ask %s for its action chunk (%s): deadline and refill as for single actions",
-                    server, exc)  # fmt: skip
+        log.warning(
+            "could not ask %s for its action chunk (%s): single-action deadline and refill", server, exc
+        )
         return 1
 
 
