@@ -114,16 +114,14 @@ class BenchRobotConfig:
     def __post_init__(self) -> None:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
-        deadline_ms, refill_at = chunk_defaults(self.hz, self.chunk)
-        if self.deadline_ms is None:
-            object.__setattr__(self, "deadline_ms", deadline_ms)
-        if self.refill_at is None:
-            object.__setattr__(self, "refill_at", refill_at)
-        if self.network_process is None:
-            object.__setattr__(self, "network_process", self.policy == LLM_PRESET)
+        deadline_ms, refill_at = chunk_defaults(self.hz, self.chunk, self.deadline_ms, self.refill_at)
+        object.__setattr__(self, "deadline_ms", deadline_ms)
+        object.__setattr__(self, "refill_at", refill_at)
+        network_process = self.policy == LLM_PRESET if self.network_process is None else self.network_process
+        object.__setattr__(self, "network_process", network_process)
         if self.robots < 1 or not 1 <= self.processes <= self.robots:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
-        control_cpus(self.control_cpu, self.processes, bool(self.network_process))  # fails naming the field
+        control_cpus(self.control_cpu, self.processes, network_process)  # fails naming the field
         if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0 or self.baseline_s < 0:
             raise ValueError("need duration_s > 0, and warmup_s, kill_server_s and baseline_s >= 0")
 

@@ -162,18 +162,18 @@ def runner_config(a: argparse.Namespace, chunk: int = 1) -> RobotRunnerConfig:
     """The runner config of ``edgerl robot``'s options; ``chunk``, the policy's actions per answer,
     sets the deadline and refill level the options leave open (:func:`chunk_defaults`)."""
     pose = tuple(float(x) for x in a.safe_pose.split(",")) if a.safe_pose else None
-    deadline_ms, refill_at = chunk_defaults(a.hz, chunk)
+    deadline_ms, refill_at = chunk_defaults(a.hz, chunk, a.deadline_ms, a.refill_at)
     return RobotRunnerConfig(
         a.server,
         WatchdogConfig(
             hz=a.hz,
-            deadline_s=(deadline_ms if a.deadline_ms is None else a.deadline_ms) / 1e3,
+            deadline_s=deadline_ms / 1e3,
             fallback=Fallback(a.fallback),
             max_delta=a.max_delta,
             estop_after=a.estop_after,
             safe_pose=pose,
         ),
-        refill_at=refill_at if a.refill_at is None else a.refill_at,
+        refill_at=refill_at,
         network_process=a.network_process,
         network_cpus=parse_cpus(a.network_cpus, "--network-cpus"),
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),

@@ -78,8 +78,11 @@ DEFAULT_DEADLINE_MS = 20.0
 """Latency budget of a policy action without action chunks (ms)."""
 
 
-def chunk_defaults(hz: float, chunk: int) -> tuple[float, int]:
-    """The deadline (ms) and refill level that suit answers of ``chunk`` actions at ``hz``.
+def chunk_defaults(
+    hz: float, chunk: int, deadline_ms: float | None = None, refill_at: int | None = None
+) -> tuple[float, int]:
+    """The deadline (ms) and refill level that suit answers of ``chunk`` actions at ``hz``;
+    ``deadline_ms`` and ``refill_at``, where given, are kept.
 
     One action per answer: 20 ms, and ask again when one action is left. A chunk of
     ``K > 1`` actions covers the next ``K`` ticks, so an answer is of use until the
@@ -87,9 +90,11 @@ def chunk_defaults(hz: float, chunk: int) -> tuple[float, int]:
     next chunk when half of the held one is left (as LeRobot's asynchronous inference
     does), so a policy call may take up to about half the span without a fallback.
     """
-    if chunk <= 1:
-        return DEFAULT_DEADLINE_MS, 1
-    return 1e3 * chunk / hz, chunk // 2
+    default = (DEFAULT_DEADLINE_MS, 1) if chunk <= 1 else (1e3 * chunk / hz, chunk // 2)
+    return (
+        default[0] if deadline_ms is None else deadline_ms,
+        default[1] if refill_at is None else refill_at,
+    )
 
 
 @dataclass(frozen=True)
