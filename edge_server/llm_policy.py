@@ -65,6 +65,27 @@ def weights_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+KV_BLOCK_SIZES = (32, 64, 128)
+"""KV cache block sizes tried, smallest first (vLLM's CPU attention prefers multiples of 32;
+its default is 128, CUDA's 16)."""
+
+
+def kv_cache_layout(prefix_len: int, max_len: int) -> tuple[int, bool]:
+    """The KV cache block size and whether to cache prefixes, for sequences of at most ``max_len``
+    tokens that share their first ``prefix_len`` (the BOS token and the instruction).
+
+    The block is the smallest of :data:`KV_BLOCK_SIZES` that holds a whole sequence: the
+    attention then reads one block per sequence and no padding beyond it. Prefixes are cached
+    in whole blocks only, so caching pays only where the shared prefix fills one; otherwise it
+    is hashing for nothing. On the reference 2-core machine (HalfCheetah, float32, 24-token
+    sequences, alternated runs) a 64-prompt batch took 38.2 ms with vLLM's defaults (128,
+    caching), 36.1 ms with 32-token blocks and 35.7 ms with neither; one prompt 10.3-10.6 ms
+    in all three.
+    """
+    block = next((b for b in KV_BLOCK_SIZES if b >= max_len), KV_BLOCK_SIZES[-1])
+    return block, prefix_len >= block
+
+
 @dataclass
 class _Submission:
     """One batch inside the engine: its outputs fill in as its sequences finish."""
@@ -159,13 +180,17 @@ class VLLMPolicyBackend(PolicyBackend):
 
         actions = self.codec.layout.action_token_ids()
         prompt_len = len(self.codec.prefix) + int(np.prod(obs_shape))
+        max_len = prompt_len + chunk * self.codec.act_dim
+        block_size, prefix_caching = kv_cache_layout(len(self.codec.prefix), max_len)
         self.llm = LLM(
             model=str(self.model_dir),
             tokenizer=str(self.model_dir),
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=prompt_len + chunk * self.codec.act_dim,
+            max_model_len=max_len,
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
             max_num_seqs=max_num_seqs,
             logprobs_mode="processed_logprobs",
             logits_processors=[TokenBlockLogitsProcessor],

@@ -32,7 +32,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from edgerl.edge_server.llm_logits import ALLOWED_RANGE, TokenBlockLogitsProcessor
-from edgerl.edge_server.llm_policy import VLLMPolicyBackend, weights_manifest
+from edgerl.edge_server.llm_policy import VLLMPolicyBackend, kv_cache_layout, weights_manifest
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
@@ -122,6 +122,18 @@ def test_served_actions_are_action_bin_centres_with_matching_log_probs(server: A
     with torch.no_grad():
         trainer_lp, _, _ = policy(policy.prompts(obs), policy.action_tokens(a))
     assert np.abs(trainer_lp.numpy() - answer.log_probs).mean() < 1e-3
+
+
+def test_kv_cache_blocks_fit_a_sequence_and_prefixes_are_cached_where_they_fill_one(server: Any) -> None:
+    assert kv_cache_layout(1, 24) == (32, False)  # HalfCheetah: BOS, 17 obs tokens, 6 action tokens
+    assert kv_cache_layout(1, 32) == (32, False)
+    assert kv_cache_layout(10, 33) == (64, False)
+    assert kv_cache_layout(40, 100) == (128, False)
+    assert kv_cache_layout(200, 230) == (128, True)  # a long instruction fills whole blocks
+    assert kv_cache_layout(64, 80) == (128, False)
+    # the engine is built with them: "balance" and BOS, 4 obs tokens, 2 action tokens
+    cache = server.backend.llm.llm_engine.vllm_config.cache_config
+    assert (cache.block_size, cache.enable_prefix_caching) == (32, False)
 
 
 def test_batches_in_the_engine_at_once_keep_their_own_rows(server: Any, model_dir: Path) -> None:
