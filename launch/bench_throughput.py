@@ -58,12 +58,14 @@ class ThroughputConfig:
     workers: int = 1
     """Sim worker processes in async_stream."""
     groups: int = 0
-    """Env groups per worker in async_stream (2 = double-buffered); 0: 1 for the llm policy, else 2.
+    """Env groups per worker in async_stream (2 = double-buffered); 0: for the llm policy one per
+    server replica, else 2.
 
-    The language model's forward pass costs ~15x a step of the envs, so there is little to
+    The language model's forward pass costs ~12x a step of the envs, so one engine has little to
     overlap, and one batch of 64 prompts costs less than two of 32 even with the engine batching
-    continuously: alternating against one server (4 pairs of 8 s), one group ran at 656 env
-    steps/s and two at 600 (medians), one group winning every pair."""
+    continuously (a group that leaves the engine to step its envs costs it a step with half the
+    sequences): against one engine, one group ran at 1,395 env steps/s and two at 1,371 (medians
+    of 2 alternated runs). With a replica per group the groups' batches run side by side."""
     repeats: int = 1
     """Interleaved repeats of all modes; medians are reported."""
     max_delay_us: int = 1000
@@ -81,14 +83,19 @@ class ThroughputConfig:
     """CPUs of the async_stream sim workers, one each ("auto": the last CPUs, if some are left for
     the server and the network processes, which then run on the others; "off": no pinning);
     None: chosen with ``network_process`` by :func:`choose_placement`."""
+    replicas: int = 0
+    """Policy replicas in the async_stream server, each in a process of its own; 0: chosen by
+    :func:`choose_placement`. The in-process loop always has one."""
 
     def __post_init__(self) -> None:
         if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
             raise ValueError("need envs >= 1, seconds > 0, repeats >= 1, warmup_s >= 0")
         if self.groups < 0:
             raise ValueError(f"groups must be >= 0 (0: by policy), got {self.groups}")
-        if self.groups == 0:
-            object.__setattr__(self, "groups", 1 if self.policy == LLM_PRESET else 2)
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0 (0: chosen), got {self.replicas}")
+        if self.groups == 0 and (self.policy != LLM_PRESET or self.replicas):
+            object.__setattr__(self, "groups", max(1, self.replicas) if self.policy == LLM_PRESET else 2)
         if self.worker_cpus is not None:
             kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
 
@@ -98,24 +105,30 @@ class ThroughputConfig:
         workers = kept_cpus(self.worker_cpus or "off", self.workers, "worker_cpus")
         return workers, other_cpus(workers)
 
-    def placed(self, env_s: float, inference_s: float) -> ThroughputConfig:
-        """This config with the placement :func:`choose_placement` gives for these costs, where
-        ``worker_cpus`` or ``network_process`` is None."""
-        worker_cpus, network_process = choose_placement(env_s, inference_s)
+    def placed(self, env_s: float, inference_s: float, cpus: int) -> ThroughputConfig:
+        """This config with the placement :func:`choose_placement` gives for these costs and
+        ``cpus`` CPUs for inference, where ``worker_cpus``, ``network_process`` or ``replicas``
+        is left open (and ``groups``, which follows ``replicas`` for the llm policy)."""
+        worker_cpus, network_process, replicas = choose_placement(env_s, inference_s, cpus)
         return replace(
             self,
             worker_cpus=worker_cpus if self.worker_cpus is None else self.worker_cpus,
             network_process=network_process if self.network_process is None else self.network_process,
+            replicas=self.replicas or replicas,
         )
 
 
 NETWORK_PROCESS_BELOW = 0.25
 """Inference cheaper than this share of env stepping: the sim worker's core is the bottleneck."""
+MAX_CHOSEN_REPLICAS = 4
+"""Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
 
 
-def choose_placement(env_s: float, inference_s: float) -> tuple[str, bool]:
-    """Where async_stream's sim workers and their streams run (``worker_cpus``, ``network_process``),
-    given the time the in-process loop spent stepping the envs and in inference.
+def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, bool, int]:
+    """Where async_stream's sim workers and their streams run, and how many policy replicas
+    serve them (``worker_cpus``, ``network_process``, ``replicas``), given the time the in-process
+    loop spent stepping the envs and in inference, and the CPUs inference may use (1 where it
+    runs on a GPU).
 
     Measured side by side on the reference 2-core machine (64 HalfCheetah envs, medians of 3):
     - inference under a quarter of env stepping (``mlp``: 0.09) leaves the worker's core the
@@ -125,12 +138,22 @@ def choose_placement(env_s: float, inference_s: float) -> tuple[str, bool]:
     - inference about as costly as env stepping (``mlp-large``: 0.88) makes the server's core
       the busier one, which a network process would share: the worker keeps a CPU of its own
       (1.32x, against 1.27x unplaced and 0.98x with a network process too);
-    - inference costlier than env stepping (``llm``: ~15x) needs every CPU for the engine:
-      nothing is pinned and the stream stays in the worker.
+    - inference costlier than env stepping (``llm``: ~12x) needs every CPU for the engine, and
+      one engine steps on one core: a replica per CPU (up to :data:`MAX_CHOSEN_REPLICAS`), one
+      env group each, nothing pinned, the stream in the worker (1.31x the in-process loop in two
+      runs, 2,096 and 2,086 env steps/s against 1,601 and 1,595, where one engine gave 0.94x,
+      1,478 against 1,579).
     """
     if inference_s > env_s:
-        return "off", False
-    return "auto", inference_s < NETWORK_PROCESS_BELOW * env_s
+        return "off", False, max(1, min(cpus, MAX_CHOSEN_REPLICAS))
+    return "auto", inference_s < NETWORK_PROCESS_BELOW * env_s, 1
+
+
+def inference_cpus() -> int:
+    """CPUs that inference may use: this process's, or 1 where torch has a GPU."""
+    import torch
+
+    return 1 if torch.cuda.is_available() else len(os.sched_getaffinity(0))
 
 
 def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
@@ -145,7 +168,8 @@ def _timed(step: Callable[[], int], warmup_s: float, seconds: float) -> float:
 
 
 def overlap_bound(env_s: float, inference_s: float) -> float:
-    """(env + inference) / max(env, inference): the speed-up a perfect overlap of the two could give."""
+    """(env + inference) / max(env, inference): the speed-up a perfect overlap of the two could give
+    (with one inference engine: replicas running batches side by side add to it)."""
     return (env_s + inference_s) / max(env_s, inference_s, 1e-12)
 
 
@@ -245,14 +269,17 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     open, the time it spent in the envs and in inference chooses it (:func:`choose_placement`).
     """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
-    policy = PolicySpec.from_options(cfg)
     bounds: list[float] = []
     stream_stats: dict[str, Any] = {}
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
-    cfg = cfg.placed(first[1], first[2])
+    cfg = cfg.placed(first[1], first[2], inference_cpus())
     stream = "in a network process" if cfg.network_process else "in the worker"
-    progress(f"  placement: sim worker CPUs {cfg.worker_cpus}, stream {stream}")
+    progress(
+        f"  placement: sim worker CPUs {cfg.worker_cpus}, stream {stream}, "
+        f"{cfg.replicas} policy replica(s), {cfg.groups} env group(s) per worker"
+    )
+    policy = PolicySpec.from_options(cfg, replicas=cfg.replicas)
     server_cpus = cfg.placement()[1]
     with ServerProcess(
         policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), cpus=server_cpus
@@ -288,7 +315,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         "ratios": {
             "async_stream/sync_unary": round(med["async_stream"] / med["sync_unary"], 3),
             "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
-            # how much of the overlap bound the pipeline reaches (1.0: perfect overlap)
+            # how much of the overlap bound the pipeline reaches (1.0: perfect overlap of one
+            # inference engine with the envs; policy replicas can go beyond it)
             "async_stream/overlap_bound": round(med["async_stream"] / (med["sync_inprocess"] * overlap), 3),
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},

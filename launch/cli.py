@@ -168,6 +168,24 @@ def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> N
     )
 
 
+def _add_replicas(p: argparse.ArgumentParser, chosen: bool = False) -> None:
+    """``--replicas``; with ``chosen`` (``bench throughput``) 0 by default: chosen from the first
+    in-process run (``bench_throughput.choose_placement``)."""
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0 if chosen else 1,
+        help="copies of the policy in the server, each in a process of its own, taking batches side "
+        "by side (worth it where one copy cannot use every core: a vLLM engine steps on one)"
+        + (
+            "; 0: chosen from the first in-process run (one per CPU, up to 4, where inference costs "
+            "more than env stepping, else 1)"
+            if chosen
+            else ""
+        ),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgerl",
@@ -185,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", default="HalfCheetah-v5", help="gymnasium id whose spaces the policy serves")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of action sampling")
     _add_policy(p)
+    _add_replicas(p)
     p.add_argument("--host", default=_DEFAULT_SERVER.host, help="address to bind (loopback by default)")
     p.add_argument("--port", type=int, default=_DEFAULT_SERVER.port, help="TCP port (0: pick a free one)")
     _add_batching(p)
@@ -240,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_env(p, envs=64)
     _add_policy(p)
+    _add_replicas(p)
     _add_workers(p, workers=DEFAULT_WORKERS)
     _add_batching(p)
     p.add_argument("--seconds", type=float, default=30.0, help="run time (0: until --steps or Ctrl-C)")
@@ -268,10 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--groups",
         type=int,
         default=0,
-        help="env groups per worker in async_stream (0: 1 for --policy llm, whose batch of all "
-        "envs costs less than two halves, else 2: double-buffered)",
+        help="env groups per worker in async_stream (0: one per policy replica for --policy llm, "
+        "whose batch of all envs costs one engine less than two halves, else 2: double-buffered)",
     )
     _add_worker_placement(p, chosen=True)
+    _add_replicas(p, chosen=True)
     p.add_argument(
         "--max-delay-us",
         type=int,
@@ -489,12 +510,15 @@ def _serve(a: argparse.Namespace) -> int:
     from edgerl.launch.processes import build_server
 
     cfg = config_from_args(ServerConfig, a)
-    server = build_server(PolicySpec.from_options(a), cfg)
+    server = build_server(PolicySpec.from_options(a, replicas=a.replicas), cfg)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: print(f"edgerl: serving {a.env} on {server.address}", flush=True))
-        await serve_until_signal(server, ready)
+        try:
+            await serve_until_signal(server, ready)
+        finally:
+            server.backend.close()  # its engine threads or replica processes
 
     asyncio.run(main())
     return 0
@@ -536,7 +560,7 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    policy = PolicySpec.from_options(a)
+    policy = PolicySpec.from_options(a, replicas=a.replicas)
     cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
     with ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a))) as server:
         print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -108,9 +109,14 @@ class PolicySpec:
     dtype: str = "float32"
     """Engine dtype of the ``llm`` preset (``LLM_DTYPES``); float32 keeps the served log-probs
     equal to the trainer's float32 recomputation, bfloat16 is faster on CPUs with AMX and on GPUs."""
+    replicas: int = 1
+    """Copies of the policy, each in a process of its own, taking batches side by side
+    (:class:`~edgerl.edge_server.replicas.ReplicatedBackend`); 1: in the server's process."""
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, self.preset)
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
     @classmethod
     def from_options(cls, opts: Any, **fields: Any) -> PolicySpec:
@@ -146,12 +152,14 @@ def llm_model_dir(policy: PolicySpec) -> str:
     return policy.model or str(tiny_llm(policy.seed))
 
 
-def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
+def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple[Any, Any]:
     """The policy backend ``policy`` names and the env's spaces (``EnvSpec``).
 
     ``llm``: a :class:`~edgerl.edge_server.llm_policy.VLLMPolicyBackend` on ``policy.model``
     (default: the small random Llama built on first use); otherwise a torch MLP preset,
-    from ``policy.checkpoint`` when given.
+    from ``policy.checkpoint`` when given. With ``policy.replicas > 1``, a
+    :class:`~edgerl.edge_server.replicas.ReplicatedBackend` of them. Actions are sampled
+    with ``sampling_seed`` (default: ``policy.seed``, which also seeds the weights).
     """
     import torch
 
@@ -160,6 +168,13 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
 
     torch.set_num_threads(policy.torch_threads)
     spec = env_spec(policy.env_name)
+    if policy.replicas > 1:
+        from edgerl.edge_server.replicas import ReplicatedBackend
+
+        # every replica builds the same policy: the small Llama is built here, once
+        model = llm_model_dir(policy) if policy.preset == LLM_PRESET else policy.model
+        one = replace(policy, replicas=1, model=model)
+        return ReplicatedBackend(functools.partial(build_replica, one), policy.replicas), spec
     if policy.preset == LLM_PRESET:
         from edgerl.edge_server.llm_policy import VLLMPolicyBackend
 
@@ -170,7 +185,7 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
             spec.act_low,
             spec.act_high,
             chunk=policy.chunk,
-            seed=policy.seed,
+            seed=policy.seed if sampling_seed is None else sampling_seed,
             dtype=policy.dtype,  # type: ignore[arg-type]  # one of LLM_DTYPES (checked)
         )
         if policy.checkpoint:
@@ -190,7 +205,7 @@ def build_backend(policy: PolicySpec) -> tuple[Any, Any]:
         net,
         spec.act_low,
         spec.act_high,
-        seed=policy.seed,
+        seed=policy.seed if sampling_seed is None else sampling_seed,
         version=version,
         compute_values=policy.compute_values,
         chunk=policy.chunk,
@@ -207,6 +222,16 @@ def _load_checkpoint(path: str, kind: str) -> dict[str, Any]:
     if found != kind:
         raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
     return payload
+
+
+def build_replica(policy: PolicySpec, index: int) -> Any:
+    """The backend of replica ``index`` of ``policy`` (``policy.replicas`` is 1), built in its
+    process: the same weights in every replica, its own sampling seed (replica 0 that of
+    ``policy``), so that replicas do not draw the same noise."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence([policy.seed, index]).generate_state(1)[0]) if index else policy.seed
+    return build_backend(policy, sampling_seed=seed)[0]
 
 
 def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
@@ -242,7 +267,10 @@ def _server_main(
             await asyncio.get_running_loop().run_in_executor(None, go.recv)
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(f.result()))
-        await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
+        try:
+            await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
+        finally:
+            server.backend.close()  # its engine threads or replica processes
 
     try:
         asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -148,3 +149,15 @@ def random_batch(
         segment_end=end,
         last_seq=1,
     )
+
+
+class PidEcho(EchoPolicy):
+    """An :class:`EchoPolicy` whose log-probs are the answering process's pid: which replica answered."""
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        return PolicyResult(super().infer(obs).actions, np.full(len(obs), os.getpid(), np.float32))
+
+
+def slow_pid_echo(index: int, delay_s: float = 1.0) -> PolicyBackend:
+    """A replica factory (picklable): a :class:`PidEcho` of 4 obs and 2 action dims taking ``delay_s``."""
+    return PidEcho(4, 2, delay_s=delay_s)

@@ -74,16 +74,19 @@ def test_worker_cpus_are_checked_naming_the_option() -> None:
 def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
     from edgerl.launch.bench_throughput import ThroughputConfig, choose_placement
 
-    assert choose_placement(env_s=1.0, inference_s=0.1) == (
-        "auto",
-        True,
-    )  # the worker's core is the bottleneck
-    assert choose_placement(env_s=1.0, inference_s=0.9) == ("auto", False)  # the server's core is
-    assert choose_placement(env_s=1.0, inference_s=15.0) == ("off", False)  # the engine needs every CPU
-    cfg = ThroughputConfig().placed(1.0, 0.1)
-    assert (cfg.worker_cpus, cfg.network_process) == ("auto", True)
-    cfg = ThroughputConfig(worker_cpus="off", network_process=False).placed(1.0, 0.1)  # given values stay
-    assert (cfg.worker_cpus, cfg.network_process) == ("off", False)
+    # the worker's core is the bottleneck: the stream leaves it
+    assert choose_placement(env_s=1.0, inference_s=0.1, cpus=2) == ("auto", True, 1)
+    assert choose_placement(env_s=1.0, inference_s=0.9, cpus=2) == ("auto", False, 1)  # the server's core is
+    # the engine needs every CPU and steps on one: a replica per CPU, up to 4
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=2) == ("off", False, 2)
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=16) == ("off", False, 4)
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=1) == ("off", False, 1)
+    cfg = ThroughputConfig().placed(1.0, 0.1, cpus=2)
+    assert (cfg.worker_cpus, cfg.network_process, cfg.replicas, cfg.groups) == ("auto", True, 1, 2)
+    given = ThroughputConfig(worker_cpus="off", network_process=False, replicas=3).placed(1.0, 0.1, cpus=2)
+    assert (given.worker_cpus, given.network_process, given.replicas) == ("off", False, 3)  # given: kept
+    with pytest.raises(ValueError, match="replicas must be >= 0"):
+        ThroughputConfig(replicas=-1)
 
 
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
@@ -95,7 +98,8 @@ def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
 
 def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     path = tmp_path / "rollout.json"
-    _edgerl("rollout --env InvertedPendulum-v5 --envs 8 --workers 2 --seconds 4", path)
+    # two policy replicas: processes of a server that is itself a daemonic child process
+    _edgerl("rollout --env InvertedPendulum-v5 --envs 8 --workers 2 --seconds 4 --replicas 2", path)
     summary = json.loads(path.read_text())
     assert summary["env_steps"] > 1000
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
@@ -113,6 +117,7 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     for mode in ("sync_inprocess", "sync_unary", "async_stream"):
         assert result[mode] > 0
     assert result["config"]["groups"] == 2  # the MLP's default: double-buffered
+    assert result["config"]["replicas"] == 1  # inference costs less than env stepping: one copy
     c = result["config"]  # the placement was chosen from the first in-process run
     assert c["worker_cpus"] in ("auto", "off") and isinstance(c["network_process"], bool)
     assert (result["config"]["envs"], result["config"]["seconds"]) == (8, 1.5)
@@ -132,11 +137,14 @@ def test_serve_options_become_the_server_config() -> None:
     assert config_from_args(ServerConfig, a, port=0).port == 0  # overrides win
 
 
-def test_bench_throughput_batches_all_envs_of_a_worker_for_the_llm_policy() -> None:
+def test_bench_throughput_gives_the_llm_policy_one_env_group_per_replica() -> None:
     from edgerl.launch.bench_throughput import ThroughputConfig
 
-    assert ThroughputConfig(policy="llm").groups == 1
+    llm = ThroughputConfig(policy="llm")
+    assert llm.groups == 0  # open until the placement chooses the replicas
+    assert llm.placed(1.0, 15.0, cpus=2).groups == 2
+    assert ThroughputConfig(policy="llm", replicas=1).groups == 1  # one engine: all envs in one batch
+    assert ThroughputConfig(policy="llm", groups=1).placed(1.0, 15.0, cpus=2).groups == 1  # given stays
     assert ThroughputConfig(policy="mlp").groups == 2
-    assert ThroughputConfig(policy="llm", groups=2).groups == 2
     with pytest.raises(ValueError, match="groups"):
         ThroughputConfig(groups=-1)

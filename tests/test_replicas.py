@@ -1,0 +1,142 @@
+"""Policy replicas, each in a process of its own, behind a real edge server."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
+from edgerl.launch.processes import PolicySpec, build_backend, build_replica
+from edgerl.robot_client.client import EdgeClient
+from tests.helpers import ServerThread, slow_pid_echo
+
+OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
+
+
+async def _one_step(address: str, name: str, after_s: float) -> tuple[float, float]:
+    """Send one 3-env step on a stream of its own ``after_s`` from now; the answer's pid and when it came."""
+    async with EdgeClient(address, timeout_s=30.0) as c:
+        stream = await c.open_stream(session_id=name, num_envs=3, obs_shape=(4,))
+        await asyncio.sleep(after_s)  # the first batch has left when the second comes
+        obs = np.ones((3, 4), np.float32)
+        await stream.send([0, 1, 2], obs, np.zeros(3), [False] * 3, [False] * 3)
+        answer = await stream.recv()
+        await stream.close()
+        return float(answer.log_probs[0]), time.monotonic()
+
+
+def test_replicas_answer_the_batches_of_two_streams_side_by_side() -> None:
+    backend = ReplicatedBackend(slow_pid_echo, 2)  # each batch takes 1 s
+    assert (backend.name, backend.pipeline_depth, backend.replicas) == ("echo-x2", 2, 2)
+    with ServerThread(backend) as srv:
+
+        async def both() -> tuple[tuple[float, float], tuple[float, float]]:
+            return await asyncio.gather(_one_step(srv.address, "a", 0.0), _one_step(srv.address, "b", 0.3))
+
+        t0 = time.monotonic()
+        answers = asyncio.run(both())
+    pids = {pid for pid, _ in answers}
+    assert len(pids) == 2 and os.getpid() not in pids  # two replica processes answered
+    # side by side: both within 1.3 s of batches and a margin, where one after the other takes 2 s
+    assert max(t for _, t in answers) - t0 < 1.9
+
+
+def test_replicas_sample_their_own_noise_and_take_weights_together() -> None:
+    policy = PolicySpec("HalfCheetah-v5", "mlp", seed=3)
+    single, _ = build_backend(policy)
+    first = single.infer(OBS).actions
+    backend, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp", seed=3, replicas=2))
+    try:
+        # replica 0 is the unreplicated policy; replica 1 has the same weights, other noise
+        np.testing.assert_array_equal(backend.infer(OBS).actions, first)
+        assert not np.allclose(backend.infer(OBS).actions, first, atol=1e-3)
+        # new weights with no noise to speak of: every replica answers the same means
+        weights = {k: v.detach().numpy().copy() for k, v in single.policy.state_dict().items()}
+        weights["actor_log_std"][:] = -30.0
+        weights["actor_mean.0.bias"] += 0.5
+        backend.load_weights(weights, 7)
+        single.load_weights(weights, 7)
+        with torch.no_grad():
+            means = single.policy.distribution(torch.from_numpy(OBS))[0].numpy()
+        for _ in range(2):  # one call per replica
+            np.testing.assert_allclose(backend.infer(OBS).actions, means, atol=1e-5)
+        assert backend.version == 7
+        with pytest.raises(KeyError, match="missing"):
+            backend.load_weights({"actor_log_std": weights["actor_log_std"]}, 8)
+        assert backend.version == 7  # refused before any replica changed
+        np.testing.assert_allclose(backend.infer(OBS).actions, means, atol=1e-5)
+    finally:
+        backend.close()
+        single.close()
+    with pytest.raises(ReplicaError, match=r"no policy replica is alive \(closed\)"):
+        backend.infer(OBS)
+
+
+def test_a_replica_that_dies_is_dropped_and_one_that_cannot_build_fails_the_start() -> None:
+    backend = ReplicatedBackend(functools.partial(slow_pid_echo, delay_s=0.0), 2)
+    try:
+        backend._replicas[0].proc.kill()
+        obs = np.ones((2, 4), np.float32)
+        with pytest.raises(ReplicaError, match="policy replica 0 exited"):
+            for _ in range(2):  # the queue hands out replica 0 first
+                backend.infer(obs)
+        assert backend.replicas == 1
+        pids = {float(backend.infer(obs).log_probs[0]) for _ in range(3)}
+        assert pids == {float(backend._replicas[1].proc.pid)}  # the other serves on
+        backend._replicas[1].proc.kill()
+        with pytest.raises(ReplicaError, match="policy replica 1 exited"):
+            backend.infer(obs)
+        with pytest.raises(ReplicaError, match=r"no policy replica is alive$"):
+            backend.infer(obs)  # fails at once rather than waiting for a replica
+    finally:
+        backend.close()
+    bad = functools.partial(build_replica, PolicySpec("NoSuchEnv-v0", "mlp"))
+    with pytest.raises(
+        ReplicaError, match=r"policy replica [01] failed to build its backend: .*NoSuchEnv-v0"
+    ):
+        ReplicatedBackend(bad, 2)
+
+
+def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgerl.launch.cli", "serve", "--port", "0", "--replicas", "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "edgerl: serving HalfCheetah-v5 on 127.0.0.1:PORT"
+        assert "serving HalfCheetah-v5 on" in line, line
+        address = line.split()[-1]
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 2  # one process per replica
+
+        async def act() -> tuple[str, Any]:
+            async with EdgeClient(address, timeout_s=30.0) as c:
+                info = await c.describe()
+                stream = await c.open_stream(session_id="x", num_envs=5, obs_shape=(17,))
+                await stream.send(list(range(5)), OBS, np.zeros(5), [False] * 5, [False] * 5)
+                answer = await stream.recv()
+                await stream.close()
+                return info.backend, answer
+
+        backend, answer = asyncio.run(act())
+        assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
