@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -140,7 +139,6 @@ class ReplicatedBackend(PolicyBackend):
         self.name = f"{info['name']}-x{replicas}"
         self.chunk = info["chunk"]
         self.pipeline_depth = replicas
-        self.last_swap_s = 0.0
         # the replicas not answering a batch; None once none is alive (wakes every waiter)
         self._free: queue.SimpleQueue[_Replica | None] = queue.SimpleQueue()
         for r in self._replicas:
@@ -191,7 +189,6 @@ class ReplicatedBackend(PolicyBackend):
         A tensor that is missing, unknown or misshapen fails in the first replica, before
         any other has changed. A replica that dies meanwhile is dropped.
         """
-        t0 = time.perf_counter()
         for i, replica in enumerate(list(self._alive)):
             try:
                 replica.call("load_weights", weights, version)
@@ -206,7 +203,6 @@ class ReplicatedBackend(PolicyBackend):
         if not self._alive:
             raise ReplicaError("no policy replica is alive")
         self.version = version
-        self.last_swap_s = time.perf_counter() - t0
 
     def warmup(self, rows: int = 8) -> None:
         for replica in self._alive:

@@ -219,14 +219,18 @@ async def serve_until_signal(
     on_ready: asyncio.Future[int] | None = None,
     signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
 ) -> None:
-    """Start ``server``, run until one of ``signals`` arrives, then shut it down gracefully."""
-    port = await server.start()
-    if on_ready is not None:
-        on_ready.set_result(port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in signals:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
+    """Start ``server``, run until one of ``signals`` arrives, then shut it down gracefully and
+    close its backend (its engine threads or replica processes), which this process owns."""
+    try:
+        port = await server.start()
+        if on_ready is not None:
+            on_ready.set_result(port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in signals:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+    finally:
+        server.backend.close()

@@ -515,10 +515,7 @@ def _serve(a: argparse.Namespace) -> int:
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: print(f"edgerl: serving {a.env} on {server.address}", flush=True))
-        try:
-            await serve_until_signal(server, ready)
-        finally:
-            server.backend.close()  # its engine threads or replica processes
+        await serve_until_signal(server, ready)
 
     asyncio.run(main())
     return 0

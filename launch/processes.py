@@ -267,10 +267,7 @@ def _server_main(
             await asyncio.get_running_loop().run_in_executor(None, go.recv)
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(f.result()))
-        try:
-            await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
-        finally:
-            server.backend.close()  # its engine threads or replica processes
+        await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     try:
         asyncio.run(main())
