@@ -168,6 +168,7 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
 
     torch.set_num_threads(policy.torch_threads)
     spec = env_spec(policy.env_name)
+    seed = policy.seed if sampling_seed is None else sampling_seed
     if policy.replicas > 1:
         from edgerl.edge_server.replicas import ReplicatedBackend
 
@@ -185,7 +186,7 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
             spec.act_low,
             spec.act_high,
             chunk=policy.chunk,
-            seed=policy.seed if sampling_seed is None else sampling_seed,
+            seed=seed,
             dtype=policy.dtype,  # type: ignore[arg-type]  # one of LLM_DTYPES (checked)
         )
         if policy.checkpoint:
@@ -205,7 +206,7 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
         net,
         spec.act_low,
         spec.act_high,
-        seed=policy.seed if sampling_seed is None else sampling_seed,
+        seed=seed,
         version=version,
         compute_values=policy.compute_values,
         chunk=policy.chunk,
