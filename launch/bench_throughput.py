@@ -94,8 +94,9 @@ class ThroughputConfig:
             raise ValueError(f"groups must be >= 0 (0: by policy), got {self.groups}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0 (0: chosen), got {self.replicas}")
-        if self.groups == 0 and (self.policy != LLM_PRESET or self.replicas):
-            object.__setattr__(self, "groups", max(1, self.replicas) if self.policy == LLM_PRESET else 2)
+        by_policy = self.replicas if self.policy == LLM_PRESET else 2  # 0: open until the replicas are
+        if self.groups == 0 and by_policy:
+            object.__setattr__(self, "groups", by_policy)
         if self.worker_cpus is not None:
             kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
 

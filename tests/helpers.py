@@ -12,6 +12,8 @@ import numpy as np
 
 from edgerl.edge_server.policy import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.robot_client.client import Actions, EdgeClient
+from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.segments import Batch
 
 
@@ -46,6 +48,24 @@ async def running_server(backend: PolicyBackend, **config: object) -> AsyncItera
         yield server
     finally:
         await server.stop(grace_s=1.0)
+
+
+async def act_once(
+    address: str,
+    obs: np.ndarray,
+    *,
+    session_id: str = "test",
+    timeout_s: float = 30.0,
+    security: ClientSecurity | None = None,
+) -> Actions:
+    """Open an Act stream for ``len(obs)`` envs, send one step, and return its answer."""
+    n = len(obs)
+    async with EdgeClient(address, timeout_s=timeout_s, security=security) as c:
+        stream = await c.open_stream(session_id=session_id, num_envs=n, obs_shape=obs.shape[1:])
+        await stream.send(list(range(n)), obs, np.zeros(n), [False] * n, [False] * n)
+        answer = await stream.recv()
+        await stream.close()
+        return answer
 
 
 def run(coro: object, timeout_s: float = 120.0) -> object:

@@ -37,9 +37,8 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
-from edgerl.robot_client.client import EdgeClient
 from edgerl.trainer.feed import learner_channel, publish_weights
-from tests.helpers import ServerThread
+from tests.helpers import ServerThread, act_once
 
 LOW, HIGH = np.array([-3.0, -1.0], np.float32), np.array([3.0, 1.0], np.float32)
 OBS_DIM = 4
@@ -89,14 +88,7 @@ def _recompute(model: Any, codec: ObsActionCodec, obs: np.ndarray, actions: np.n
 
 
 async def _act(address: str, obs: np.ndarray) -> Any:
-    async with EdgeClient(address, timeout_s=60.0) as c:
-        stream = await c.open_stream(session_id="llm-test", num_envs=len(obs), obs_shape=(OBS_DIM,))
-        await stream.send(
-            list(range(len(obs))), obs, np.zeros(len(obs)), [False] * len(obs), [False] * len(obs)
-        )
-        answer = await stream.recv()
-        await stream.close()
-        return answer
+    return await act_once(address, obs, session_id="llm-test", timeout_s=60.0)
 
 
 def _obs(n: int, seed: int) -> np.ndarray:

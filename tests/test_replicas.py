@@ -19,21 +19,16 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import PolicySpec, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import ServerThread, slow_pid_echo
+from tests.helpers import ServerThread, act_once, slow_pid_echo
 
 OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
 
 
 async def _one_step(address: str, name: str, after_s: float) -> tuple[float, float]:
-    """Send one 3-env step on a stream of its own ``after_s`` from now; the answer's pid and when it came."""
-    async with EdgeClient(address, timeout_s=30.0) as c:
-        stream = await c.open_stream(session_id=name, num_envs=3, obs_shape=(4,))
-        await asyncio.sleep(after_s)  # the first batch has left when the second comes
-        obs = np.ones((3, 4), np.float32)
-        await stream.send([0, 1, 2], obs, np.zeros(3), [False] * 3, [False] * 3)
-        answer = await stream.recv()
-        await stream.close()
-        return float(answer.log_probs[0]), time.monotonic()
+    """One 3-env step on a stream of its own, opened ``after_s`` from now; the answering pid and when."""
+    await asyncio.sleep(after_s)  # the first batch has left when the second comes
+    answer = await act_once(address, np.ones((3, 4), np.float32), session_id=name)
+    return float(answer.log_probs[0]), time.monotonic()
 
 
 def test_replicas_answer_the_batches_of_two_streams_side_by_side() -> None:
@@ -124,12 +119,8 @@ def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
 
         async def act() -> tuple[str, Any]:
             async with EdgeClient(address, timeout_s=30.0) as c:
-                info = await c.describe()
-                stream = await c.open_stream(session_id="x", num_envs=5, obs_shape=(17,))
-                await stream.send(list(range(5)), OBS, np.zeros(5), [False] * 5, [False] * 5)
-                answer = await stream.recv()
-                await stream.close()
-                return info.backend, answer
+                backend = (await c.describe()).backend
+            return backend, await act_once(address, OBS, session_id="x")
 
         backend, answer = asyncio.run(act())
         assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)

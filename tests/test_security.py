@@ -23,7 +23,7 @@ from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.feed import learner_channel, publish_weights
 from edgerl.watchdog.watchdog import WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, run
+from tests.helpers import EchoPolicy, ServerThread, act_once, run
 from tests.test_robot import CounterRobot
 
 
@@ -42,12 +42,8 @@ def _describe(address: str, security: ClientSecurity | None) -> int:
 
 
 async def _one_step(address: str, security: ClientSecurity | None) -> np.ndarray:
-    async with EdgeClient(address, timeout_s=3.0, security=security) as c:
-        stream = await c.open_stream(session_id="s", num_envs=1, obs_shape=(3,))
-        await stream.send([0], np.ones((1, 3), np.float32), [0.0], [False], [False])
-        actions: np.ndarray = (await stream.recv()).actions
-        await stream.close()
-        return actions
+    obs = np.ones((1, 3), np.float32)
+    return (await act_once(address, obs, session_id="s", timeout_s=3.0, security=security)).actions
 
 
 async def _act_status(address: str, security: ClientSecurity | None) -> grpc.StatusCode:
