@@ -121,6 +121,12 @@ class ThroughputConfig:
 
 NETWORK_PROCESS_BELOW = 0.25
 """Inference cheaper than this share of env stepping: the sim worker's core is the bottleneck."""
+REPLICAS_ABOVE = 3.0
+"""Inference costlier than this multiple of env stepping: a policy replica per CPU. Well above the
+``mlp-large`` preset, whose cost is about that of env stepping (0.88-0.98 of it) and in some noisy
+first runs came out above it: those chose two replicas on the two CPUs and ran at 0.82x the
+in-process loop (0.81x with ``--replicas 2 --worker-cpus off`` given); well below the ``llm``
+policy's ~12x."""
 MAX_CHOSEN_REPLICAS = 4
 """Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
 
@@ -136,16 +142,16 @@ def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, 
       bottleneck, its gRPC client included: a network process takes that off the worker, which
       keeps a CPU of its own (1.016x the in-process loop, against 0.85x unplaced and 0.79x
       with the CPU alone);
-    - inference about as costly as env stepping (``mlp-large``: 0.88) makes the server's core
+    - inference about as costly as env stepping (``mlp-large``: 0.88-0.98) makes the server's core
       the busier one, which a network process would share: the worker keeps a CPU of its own
       (1.32x, against 1.27x unplaced and 0.98x with a network process too);
-    - inference costlier than env stepping (``llm``: ~12x) needs every CPU for the engine, and
+    - inference far costlier than env stepping (``llm``: ~12x) needs every CPU for the engine, and
       one engine steps on one core: a replica per CPU (up to :data:`MAX_CHOSEN_REPLICAS`), one
       env group each, nothing pinned, the stream in the worker (1.31x the in-process loop in two
       runs, 2,096 and 2,086 env steps/s against 1,601 and 1,595, where one engine gave 0.94x,
       1,478 against 1,579).
     """
-    if inference_s > env_s:
+    if inference_s > REPLICAS_ABOVE * env_s:
         return "off", False, max(1, min(cpus, MAX_CHOSEN_REPLICAS))
     return "auto", inference_s < NETWORK_PROCESS_BELOW * env_s, 1
 
