@@ -18,18 +18,29 @@ each on its own thread, so the next batch joins the running ones instead of
 waiting for them. Weight swaps wait until no batch is running. A request
 that does not fit in the queue is refused at once (:class:`QueueFullError`),
 never queued without bound.
+
+The rules are checked where something changes them (a request arrives, a
+batch ends, a stream closes, the delay of the oldest request runs out), and a
+batch that is ready starts right there: there is no dispatch task to wake.
+The inference threads take their work from a plain queue and hand each
+finished batch back with one event-loop callback that answers its requests.
+Against ``run_in_executor`` and a dispatch task, on one CPU core shared with
+the event loop, this took the server's CPU time per 32-row request from 437
+to 405 us (``mlp-small``, one stream of two groups) and gave the ``mlp-large``
+pipeline 3 % more env steps/s (2 alternated runs each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -85,6 +96,11 @@ class _Request:
     enqueued_ns: int
 
 
+_Job = tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
+"""Work for an inference thread: what to run there, and what to call on the event loop with its
+result or its exception."""
+
+
 @dataclass
 class BatcherStats:
     """Counters since start, plus recent samples for percentiles."""
@@ -132,32 +148,43 @@ class DynamicBatcher:
         self._queued_rows = 0
         self._open_streams = 0
         self._streams_waiting = 0
-        self._wake = asyncio.Event()
         self._closing = False
-        self._task: asyncio.Task[None] | None = None
         self._depth = max(1, backend.pipeline_depth)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            self._depth, thread_name_prefix="edgerl-infer", initializer=backend.init_thread
-        )
-        self._running: set[asyncio.Task[None]] = set()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_ns = 0
+        self._batches_running = 0
         self._swaps_waiting = 0
-        self._idle = asyncio.Event()  # no batch running (set while none is)
-        self._idle.set()
+        self._batch_ended = asyncio.Event()  # set when a batch or a swap ends
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the dispatch task on the running event loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="edgerl-batcher")
+        """Start the inference threads, bound to the running event loop (else done at first use)."""
+        if self._threads:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._threads = [
+            threading.Thread(target=self._serve_jobs, name=f"edgerl-infer_{i}", daemon=True)
+            for i in range(self._depth)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     async def close(self) -> None:
-        """Refuse new requests, finish every queued one, stop the inference thread."""
+        """Refuse new requests, finish every queued one, stop the inference threads."""
         self._closing = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-        await self._idle.wait()
-        self._executor.shutdown(wait=True)
+        self._pump()
+        # Whatever is left waits for a running batch or swap, whose end pumps again.
+        while self._queue or self._batches_running or self._swaps_waiting:
+            await self._batch_ended.wait()
+            self._batch_ended.clear()
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
 
     @property
     def closing(self) -> bool:
@@ -176,7 +203,7 @@ class DynamicBatcher:
             self._open_streams -= 1
             if slots.queued:
                 self._streams_waiting -= 1
-            self._wake.set()
+            self._pump()  # one stream fewer to wait for
 
     @property
     def queued_rows(self) -> int:
@@ -210,7 +237,7 @@ class DynamicBatcher:
                 self._streams_waiting += 1
         self._queue.append(_Request(obs, slots, future, time.monotonic_ns()))
         self._queued_rows += rows
-        self._wake.set()
+        self._pump()
         return future
 
     def hold(self, slots: StreamSlots) -> None:
@@ -246,45 +273,26 @@ class DynamicBatcher:
             or now_ns - self._queue[0].enqueued_ns >= self.max_delay_ns
         )
 
-    async def _run(self) -> None:
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if self._swaps_waiting or len(self._running) >= self._depth:
-                # A weight swap waits for the running batches (no new one starts before it),
-                # or the backend has as many batches as it takes.
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            now = time.monotonic_ns()
+    def _pump(self, now_ns: int = 0) -> None:
+        """Start every batch that is ready, as many as the backend takes; where the oldest
+        request must still wait, call again when its delay runs out."""
+        while self._queue and not self._swaps_waiting and self._batches_running < self._depth:
+            now = max(now_ns, time.monotonic_ns())
             if self._ready(now):
                 self._start(self._take(), now)
                 continue
-            self._wake.clear()
-            remaining_s = (self._queue[0].enqueued_ns + self.max_delay_ns - now) / 1e9
-            try:
-                async with asyncio.timeout(remaining_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
+            due = self._queue[0].enqueued_ns + self.max_delay_ns
+            if self._timer is None or due < self._timer_ns:
+                if self._timer is not None:
+                    self._timer.cancel()
+                loop = asyncio.get_running_loop()
+                # The loop's clock is time.monotonic, as is monotonic_ns.
+                self._timer, self._timer_ns = loop.call_at(due / 1e9, self._on_timer, due), due
+            return
 
-    def _start(self, batch: list[_Request], now_ns: int) -> None:
-        """Run a batch (beside the running ones, up to the backend's ``pipeline_depth``)."""
-        task = asyncio.get_running_loop().create_task(self._dispatch(batch, now_ns))
-        self._running.add(task)
-        self._idle.clear()
-
-        def done(t: asyncio.Task[None]) -> None:
-            self._running.discard(t)
-            if not self._running:
-                self._idle.set()
-            self._wake.set()
-
-        task.add_done_callback(done)
+    def _on_timer(self, due_ns: int) -> None:
+        self._timer = None
+        self._pump(due_ns)  # the loop may fire a timer a clock tick early: it is due
 
     def _take(self) -> list[_Request]:
         batch = [self._queue.popleft()]
@@ -302,40 +310,99 @@ class DynamicBatcher:
                     self._streams_waiting -= 1
         return batch
 
+    def _start(self, batch: list[_Request], now_ns: int) -> None:
+        """Hand a batch to the inference threads (beside the running ones, up to the depth)."""
+        self._batches_running += 1
+
+        def done(outcome: tuple[PolicyResult, int, int] | None, error: BaseException | None) -> None:
+            self._batches_running -= 1
+            self._batch_ended.set()
+            self._answer(batch, now_ns, outcome, error)
+            self._pump()
+
+        self._run_on_thread(lambda: self._infer(batch), done)
+
+    def _run_on_thread(
+        self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        if not self._threads:
+            self.start()
+        self._jobs.put((fn, done))
+
+    def _serve_jobs(self) -> None:
+        """An inference thread: run jobs until the sentinel, answering each on the event loop."""
+        self.backend.init_thread()
+        loop = self._loop
+        assert loop is not None  # set by start(), before any thread exists
+        while (job := self._jobs.get()) is not None:
+            fn, done = job
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # handed to the requests' waiters
+                result, error = None, exc
+            loop.call_soon_threadsafe(done, result, error)
+
     async def run_between_batches(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the inference thread, after the running batch and before the next.
+        """Run ``fn`` on an inference thread, after the running batches and before the next.
 
         This is how weights are swapped: no forward pass ever sees half-loaded weights,
-        and with a pipelined backend no batch starts before ``fn`` or runs beside it.
+        and with a pipelined backend no batch starts before ``fn`` or runs beside it (nor
+        while it runs, even if the caller stops waiting for it).
         """
         self._swaps_waiting += 1
+        queued = False
         try:
-            await self._idle.wait()
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-        finally:
-            self._swaps_waiting -= 1
-            self._wake.set()
+            while self._batches_running:
+                await self._batch_ended.wait()
+                self._batch_ended.clear()
+            finished: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
 
-    def _infer(self, obs: np.ndarray) -> tuple[PolicyResult, int, int]:
+            def done(result: _T, error: BaseException | None) -> None:
+                self._swaps_waiting -= 1
+                self._batch_ended.set()
+                self._pump()
+                if finished.done():  # the caller stopped waiting
+                    return
+                if error is not None:
+                    finished.set_exception(error)
+                else:
+                    finished.set_result(result)
+
+            self._run_on_thread(fn, done)
+            queued = True
+            return await finished
+        finally:
+            if not queued:
+                self._swaps_waiting -= 1
+                self._pump()
+
+    def _infer(self, batch: list[_Request]) -> tuple[PolicyResult, int, int]:
+        """On an inference thread: the batch's forward pass, its version and its time (us)."""
+        obs = np.concatenate([r.obs for r in batch]) if len(batch) > 1 else np.array(batch[0].obs)
         start = time.perf_counter_ns()
         version = self.backend.version
         result = self.backend.infer(obs)
         return result, version, (time.perf_counter_ns() - start) // 1000
 
-    async def _dispatch(self, batch: list[_Request], now_ns: int) -> None:
-        obs = np.concatenate([r.obs for r in batch]) if len(batch) > 1 else np.array(batch[0].obs)
-        rows = obs.shape[0]
-        loop = asyncio.get_running_loop()
-        try:
-            result, version, inference_us = await loop.run_in_executor(self._executor, self._infer, obs)
-        except Exception as exc:
-            log.exception("policy forward pass failed on a batch of %d rows", rows)
+    def _answer(
+        self,
+        batch: list[_Request],
+        now_ns: int,
+        outcome: tuple[PolicyResult, int, int] | None,
+        error: BaseException | None,
+    ) -> None:
+        """On the event loop: each request's share of a finished batch, or the batch's error."""
+        if outcome is None:
+            rows = sum(r.obs.shape[0] for r in batch)
+            log.error("policy forward pass failed on a batch of %d rows", rows, exc_info=error)
             for req in batch:
                 self._finish(req)
                 if not req.future.done():
-                    req.future.set_exception(exc)
+                    req.future.set_exception(error or RuntimeError("policy forward pass failed"))
             return
+        result, version, inference_us = outcome
         st = self.stats
+        rows = result.log_probs.shape[0]
         st.batches += 1
         st.rows += rows
         st.requests += len(batch)
