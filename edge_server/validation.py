@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -87,13 +88,14 @@ def check_step(
         raise _invalid(f"step.env_ids: ids must be < num_envs ({spec.num_envs}), got {max(env_ids)}")
     if len(set(env_ids)) != n:
         raise _invalid("step.env_ids: duplicate env id")
-    for name in ("rewards", "terminated", "truncated"):
-        got = len(getattr(step, name))
-        if got != n:
-            raise _invalid(f"step.{name}: expected {n} values (one per env id), got {got}")
+    per_env = (("rewards", step.rewards), ("terminated", step.terminated), ("truncated", step.truncated))
+    for name, values in per_env:
+        if len(values) != n:
+            raise _invalid(f"step.{name}: expected {n} values (one per env id), got {len(values)}")
     if step.fallback and len(step.fallback) != n:
         raise _invalid(f"step.fallback: expected 0 or {n} values (one per env id), got {len(step.fallback)}")
     obs = check_obs(step.obs, "step.obs", obs_shape, n, max_rows)
-    if not np.isfinite(np.asarray(step.rewards, dtype=np.float32)).all():
+    # float32 rewards summed as Python floats cannot overflow: the sum is finite iff each is.
+    if not math.isfinite(sum(step.rewards)):
         raise _invalid("step.rewards: contains NaN or Inf")
     return obs, env_ids

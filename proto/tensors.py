@@ -84,13 +84,14 @@ def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
     except KeyError:
         raise TensorError(f"{field}.dtype", f"unsupported dtype {dtype_name(msg.dtype)}") from None
     shape = tuple(msg.shape)
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise TensorError(f"{field}.shape", f"negative dimension in {list(shape)}")
+    data = msg.data  # (each access of a bytes field makes a new object)
     expected = math.prod(shape) * dtype.itemsize  # (Python ints: no overflow, and no numpy call)
-    if len(msg.data) != expected:
+    if len(data) != expected:
         raise TensorError(
             f"{field}.data",
-            f"{len(msg.data)} bytes do not match shape {list(shape)} of {dtype_name(msg.dtype)} "
+            f"{len(data)} bytes do not match shape {list(shape)} of {dtype_name(msg.dtype)} "
             f"({expected} bytes)",
         )
-    return np.frombuffer(msg.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)

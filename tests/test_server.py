@@ -171,14 +171,16 @@ async def _round_trip(stream: ActStream) -> None:
     assert (await stream.recv()).actions.shape == (4, ACT)
 
 
-def _step(seq: int, ids: list[int], obs: np.ndarray, dtype: Any = pb.FLOAT32) -> pb.ActRequest:
+def _step(
+    seq: int, ids: list[int], obs: np.ndarray, dtype: Any = pb.FLOAT32, reward: float = 0.0
+) -> pb.ActRequest:
     n = len(ids)
     return pb.ActRequest(
         step=pb.StepObservation(
             seq=seq,
             env_ids=ids,
             obs=pb.Tensor(dtype=dtype, shape=obs.shape, data=obs.tobytes()),
-            rewards=[0.0] * n,
+            rewards=[reward] * n,
             terminated=[False] * n,
             truncated=[False] * n,
         )
@@ -201,6 +203,8 @@ BAD_CASES = {
         "step.obs.dtype",
     ),
     "NaN": ([HELLO, _step(0, [0, 1], NAN)], "INVALID_ARGUMENT", "step.obs: row 1 contains NaN"),
+    "NaN reward": ([HELLO, _step(0, [0, 1], GOOD, reward=np.nan)], "INVALID_ARGUMENT", "step.rewards: cont"),
+    "Inf reward": ([HELLO, _step(0, [0, 1], GOOD, reward=-np.inf)], "INVALID_ARGUMENT", "step.rewards: cont"),
     "ids vs rows": (
         [HELLO, _step(0, [0, 1, 2], GOOD)],
         "INVALID_ARGUMENT",
