@@ -382,6 +382,12 @@ class DynamicBatcher:
         start = time.perf_counter_ns()
         version = self.backend.version
         result = self.backend.infer(obs)
+        rows = obs.shape[0]
+        if len(result.actions) != rows or len(result.log_probs) != rows:  # they could not be split
+            raise ValueError(
+                f"{type(self.backend).__name__}.infer returned {len(result.actions)} actions and "
+                f"{len(result.log_probs)} log-probs for {rows} observations"
+            )
         return result, version, (time.perf_counter_ns() - start) // 1000
 
     def _answer(

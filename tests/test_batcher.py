@@ -119,6 +119,29 @@ def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
     run(main())
 
 
+class _ShortOnce(EchoPolicy):
+    """Answers its first batch with one row too few, then as the echo policy."""
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        res = super().infer(obs)
+        if len(self.batch_sizes) == 1:
+            return PolicyResult(res.actions[1:], res.log_probs[1:])
+        return res
+
+
+def test_a_result_that_does_not_split_fails_its_batch_and_the_next_is_served() -> None:
+    async def main() -> None:
+        b = DynamicBatcher(_ShortOnce(4, 2), max_batch_size=8, max_delay_us=0, max_queue_rows=64)
+        b.start()
+        with pytest.raises(ValueError, match=r"_ShortOnce\.infer returned 2 actions and 2 log-probs for 3"):
+            await asyncio.wait_for(b.submit(_obs(3, 1.0)), 5.0)
+        res = await asyncio.wait_for(b.submit(_obs(3, 2.0)), 5.0)
+        np.testing.assert_array_equal(res.actions, 2.0)
+        await b.close()
+
+    run(main())
+
+
 class _PipelinedEcho(EchoPolicy):
     """An echo policy that takes ``depth`` batches at once and logs what ran beside what."""
 
