@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
+from edgerl.robot_client import eventloop
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,7 @@ def _server_main(
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     try:
-        asyncio.run(main())
+        eventloop.run(main())
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(f"{type(exc).__name__}: {exc}")
@@ -446,7 +447,7 @@ def _worker_main(
         if config.network_process:
             worker.run_blocking(stop.is_set, report)
         else:
-            asyncio.run(main())
+            eventloop.run(main())
     finally:
         worker.close()
 
