@@ -50,10 +50,5 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(coro: Coroutine[Any, Any, _T]) -> _T:
     """``asyncio.run(coro)`` on the chosen event loop."""
-    try:
-        factory = loop_factory()
-    except BaseException:
-        coro.close()  # never started: no "never awaited" warning
-        raise
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(coro)
