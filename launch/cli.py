@@ -27,7 +27,6 @@ from edgerl.launch.processes import (
 )
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
-from edgerl.robot_client import eventloop
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.watchdog.watchdog import Fallback
@@ -518,7 +517,7 @@ def _serve(a: argparse.Namespace) -> int:
         ready.add_done_callback(lambda f: print(f"edgerl: serving {a.env} on {server.address}", flush=True))
         await serve_until_signal(server, ready)
 
-    eventloop.run(main())
+    asyncio.run(main())
     return 0
 
 

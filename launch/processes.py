@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.robot_client import eventloop
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -272,7 +271,7 @@ def _server_main(
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     try:
-        eventloop.run(main())
+        asyncio.run(main())
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(f"{type(exc).__name__}: {exc}")
@@ -447,7 +446,7 @@ def _worker_main(
         if config.network_process:
             worker.run_blocking(stop.is_set, report)
         else:
-            eventloop.run(main())
+            asyncio.run(main())
     finally:
         worker.close()
 

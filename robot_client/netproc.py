@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgerl.robot_client import errors, eventloop
+from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, concat_rows
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sock = socket.socket(fileno=int(args[0]))
     with contextlib.suppress(KeyboardInterrupt):
-        eventloop.run(_main(sock))
+        asyncio.run(_main(sock))
     return 0
 
 
