@@ -177,14 +177,18 @@ class DynamicBatcher:
         self._closing = True
         self._pump()
         # Whatever is left waits for a running batch or swap, whose end pumps again.
-        while self._queue or self._batches_running or self._swaps_waiting:
-            await self._batch_ended.wait()
-            self._batch_ended.clear()
+        await self._while(lambda: bool(self._queue or self._batches_running or self._swaps_waiting))
         for _ in self._threads:
             self._jobs.put(None)
         for thread in self._threads:
             thread.join()
         self._threads = []
+
+    async def _while(self, busy: Callable[[], bool]) -> None:
+        """Wait as long as ``busy()``, asking again each time a batch or a swap ends."""
+        while busy():
+            await self._batch_ended.wait()
+            self._batch_ended.clear()
 
     @property
     def closing(self) -> bool:
@@ -352,9 +356,7 @@ class DynamicBatcher:
         self._swaps_waiting += 1
         queued = False
         try:
-            while self._batches_running:
-                await self._batch_ended.wait()
-                self._batch_ended.clear()
+            await self._while(lambda: self._batches_running > 0)
             finished: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
 
             def done(result: _T, error: BaseException | None) -> None:
