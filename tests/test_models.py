@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.policy import TorchPolicyBackend, _padded_rows
 from edgerl.launch.processes import PolicySpec, build_backend
 from edgerl.models import GaussianMLPPolicy, RunningNorm, build_policy, gaussian_log_prob
 
@@ -63,6 +63,15 @@ def test_the_served_forward_pass_is_the_modules() -> None:
     noise = out.actions.reshape(16, 4) - mean
     np.testing.assert_allclose(out.log_probs, -0.5 * (noise**2 + np.log(2 * np.pi)).sum(-1), rtol=1e-4)
     assert out.actions.shape == (16, 2, 2)
+
+
+@pytest.mark.parametrize(("cols", "stride"), [(1024, 1040), (64, 80), (17, 48), (6, 16), (1, 16)])
+def test_served_weights_rows_start_an_odd_number_of_cache_lines_apart(cols: int, stride: int) -> None:
+    matrix = torch.randn(3, cols)
+    padded = _padded_rows(matrix)
+    assert padded.shape == matrix.shape
+    assert padded.stride() == (stride, 1)  # float32: 16 values per 64-byte line
+    assert torch.equal(padded, matrix)
 
 
 def test_the_frozen_normaliser_is_the_modules_and_ignores_later_updates() -> None:
