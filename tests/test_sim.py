@@ -63,3 +63,34 @@ def test_every_supported_task_runs_through_the_server(env_name: str) -> None:
             return int(progress.steps)
 
     assert run(main()) == 40
+
+
+def test_a_worker_process_keeps_grpc_threads_from_preempting_its_env_stepping() -> None:
+    import contextlib
+    import os
+    import time
+
+    from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+
+    def policies(pid: int) -> dict[int, int]:
+        out = {}
+        for name in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):  # the thread ended since the listing
+                out[int(name)] = os.sched_getscheduler(int(name))
+        return out
+
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=4)
+        with WorkerFleet(config, 1) as fleet:
+            fleet.wait_started()
+            pid = fleet.pids[0]
+            deadline = time.monotonic() + 10.0
+            while True:  # a thread started since the last pass is handled by the next (0.2 s)
+                seen = policies(pid)
+                helpers = {tid: p for tid, p in seen.items() if tid != pid}
+                if all(p == os.SCHED_BATCH for p in helpers.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+    assert seen[pid] == os.SCHED_OTHER  # the thread stepping the envs
+    assert len(helpers) >= 2, helpers  # gRPC's event engine and the asyncio poller at least
+    assert all(p == os.SCHED_BATCH for p in helpers.values()), helpers
