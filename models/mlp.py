@@ -16,14 +16,16 @@ import torch
 from torch import nn
 
 #: Hidden sizes of the named presets. ``mlp-small`` is CleanRL's MuJoCo PPO network.
-#: ``mlp-large`` is sized so that the served forward pass of 64 observations (actor and
-#: critic) costs about as much as stepping 64 HalfCheetah envs on one core: 2.0 ms
-#: against 2.3 ms on the reference 2-core machine (medians of 300; 768-wide layers, the
-#: size before, took 0.85 ms once the served forward was laid out for small batches).
+#: ``mlp-large`` is sized so that serving 64 observations costs about as much as stepping
+#: 64 HalfCheetah envs on one core: ``bench throughput``'s in-process loop spent 0.95 of its
+#: env time in inference (overlap bound 1.95) on the reference 2-core machine. 1024-wide
+#: layers, the size before, fell to 0.75-0.81 once the served weights were padded
+#: (``edgerl.edge_server.policy``), as 768-wide ones had fallen to 0.37 when the served
+#: forward pass was laid out for small batches.
 POLICY_PRESETS: dict[str, tuple[int, ...]] = {
     "mlp-small": (64, 64),
     "mlp": (256, 256),
-    "mlp-large": (1024, 1024, 1024),
+    "mlp-large": (1152, 1152, 1152),
 }
 
 #: log(2 pi), the Gaussian log-density's constant.
