@@ -143,8 +143,8 @@ def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, 
       keeps a CPU of its own (1.016x the in-process loop, against 0.85x unplaced and 0.79x
       with the CPU alone);
     - inference about as costly as env stepping (``mlp-large``: 0.88-0.98; 0.90-0.96 now) makes
-      the server's core the busier one, which a network process would share: the worker keeps a CPU of its own
-      (1.32x, against 1.27x unplaced and 0.98x with a network process too);
+      the server's core the busier one, which a network process would share: the worker keeps a
+      CPU of its own (1.32x, against 1.27x unplaced and 0.98x with a network process too);
     - inference far costlier than env stepping (``llm``: ~12x) needs every CPU for the engine, and
       one engine steps on one core: a replica per CPU (up to :data:`MAX_CHOSEN_REPLICAS`), one
       env group each, nothing pinned, the stream in the worker (1.31x the in-process loop in two

@@ -17,8 +17,8 @@ from torch import nn
 
 #: Hidden sizes of the named presets. ``mlp-small`` is CleanRL's MuJoCo PPO network.
 #: ``mlp-large`` is sized so that serving 64 observations costs about as much as stepping
-#: 64 HalfCheetah envs on one core: ``bench throughput``'s in-process loop spent 0.95 of its
-#: env time in inference (overlap bound 1.95) on the reference 2-core machine. 1024-wide
+#: 64 HalfCheetah envs on one core: ``bench throughput``'s in-process loop spent 0.90-0.96 of
+#: its env time in inference (overlap bound 1.90-1.96) on the reference 2-core machine. 1024-wide
 #: layers, the size before, fell to 0.75-0.81 once the served weights were padded
 #: (``edgerl.edge_server.policy``), as 768-wide ones had fallen to 0.37 when the served
 #: forward pass was laid out for small batches.
