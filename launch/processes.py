@@ -415,10 +415,11 @@ def yield_helper_threads(keep: int, done: set[int]) -> None:
     each wake preempted the stepping thread: 6 involuntary switches per 64-step cycle of
     ``mlp-large``. A SCHED_BATCH thread keeps its fair share of the core but does not preempt
     on waking; it runs when the stepping thread waits for actions or uses up its slice. With
-    ``mlp-large`` this gave 3-5 % more env steps/s (worker and server on a CPU each, 3
-    alternated pairs). SCHED_IDLE did as well, but it would starve these threads beside any
-    busy process (a trainer) allowed on the core. Threads in ``done`` are skipped, and each
-    thread handled is added to it, so calling this again costs one directory listing.
+    ``mlp-large`` this gave 5-7 % more env steps/s (worker and server on a CPU each, 3
+    alternated runs: 20.1-21.4k against 19.0-20.4k). SCHED_IDLE did about as well, but it
+    would starve these threads beside any busy process (a trainer) allowed on the core.
+    Threads in ``done`` are skipped, and each thread handled is added to it, so calling this
+    again costs one directory listing.
     """
     for name in os.listdir("/proc/self/task"):
         tid = int(name)
