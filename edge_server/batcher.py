@@ -400,14 +400,15 @@ class DynamicBatcher:
         error: BaseException | None,
     ) -> None:
         """On the event loop: each request's share of a finished batch, or the batch's error."""
-        if outcome is None:
+        if error is not None:
             rows = sum(r.obs.shape[0] for r in batch)
             log.error("policy forward pass failed on a batch of %d rows", rows, exc_info=error)
             for req in batch:
                 self._finish(req)
                 if not req.future.done():
-                    req.future.set_exception(error or RuntimeError("policy forward pass failed"))
+                    req.future.set_exception(error)
             return
+        assert outcome is not None  # no error: _infer returned it
         result, version, inference_us = outcome
         st = self.stats
         rows = result.log_probs.shape[0]

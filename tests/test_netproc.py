@@ -14,7 +14,7 @@ from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import ObsRows, StreamSettings, concat_rows
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread
+from tests.helpers import EchoPolicy, ServerThread, thread_ids
 from tests.test_robot import CounterRobot
 
 
@@ -81,7 +81,7 @@ def test_the_child_refuses_a_bad_command_line() -> None:
 
 def _cpus_of(pid: int) -> set[int]:
     """The CPUs any thread of process ``pid`` may run on."""
-    return set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")))
+    return set().union(*(os.sched_getaffinity(t) for t in thread_ids(pid)))
 
 
 def test_robots_outlive_their_network_process() -> None:

@@ -1,12 +1,17 @@
 """The simulated tasks: seeded, vectorised, served end to end."""
 
+import contextlib
+import os
+import time
+
 import gymnasium as gym
 import numpy as np
 import pytest
 
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
-from tests.helpers import EchoPolicy, run, running_server
+from tests.helpers import EchoPolicy, run, running_server, thread_ids
 
 
 def test_same_seed_same_trajectory() -> None:
@@ -66,17 +71,11 @@ def test_every_supported_task_runs_through_the_server(env_name: str) -> None:
 
 
 def test_a_worker_process_keeps_grpc_threads_from_preempting_its_env_stepping() -> None:
-    import contextlib
-    import os
-    import time
-
-    from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
-
     def policies(pid: int) -> dict[int, int]:
         out = {}
-        for name in os.listdir(f"/proc/{pid}/task"):
+        for tid in thread_ids(pid):
             with contextlib.suppress(OSError):  # the thread ended since the listing
-                out[int(name)] = os.sched_getscheduler(int(name))
+                out[tid] = os.sched_getscheduler(tid)
         return out
 
     with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
