@@ -580,9 +580,17 @@ class WorkerFleet:
             time.sleep(0.05)
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop the workers (killed if they have not exited within ``timeout_s``) and collect the
+        episodes they finished."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         for p in self._procs:
-            p.join(timeout_s)
+            # A worker exits only once the episodes it queued are read: its queue's feeder
+            # thread waits on the full pipe. Unread since the start, they fill it in seconds
+            # where episodes are short.
+            while p.is_alive() and time.monotonic() < deadline:
+                self.poll_episodes()
+                p.join(0.05)
             if p.is_alive():
                 p.kill()
                 p.join()

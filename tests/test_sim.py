@@ -93,3 +93,18 @@ def test_a_worker_process_keeps_grpc_threads_from_preempting_its_env_stepping() 
     assert seen[pid] == os.SCHED_OTHER  # the thread stepping the envs
     assert len(helpers) >= 2, helpers  # gRPC's event engine and the asyncio poller at least
     assert all(p == os.SCHED_BATCH for p in helpers.values()), helpers
+
+
+def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
+    """Workers whose queued episodes nobody read during the run still exit at once on stop()."""
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=16)
+        fleet = WorkerFleet(config, 1)
+        with fleet:
+            fleet.wait_started()
+            time.sleep(4.0)  # a random policy drops the pendulum in ~10 steps: thousands of episodes
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+    assert fleet.failed() == []  # it exited by itself, not killed
+    assert len(fleet.episode_returns) > 2000
+    assert took < 5.0, f"stop() took {took:.1f}s"
