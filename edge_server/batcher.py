@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -322,7 +324,11 @@ class DynamicBatcher:
             self._batches_running -= 1
             self._batch_ended.set()
             self._answer(batch, now_ns, outcome, error)
-            self._pump()
+            # The next batch starts after the answers are on their way: their waiters run first
+            # (a future's callbacks are queued on the loop when it is set). Started here, its
+            # forward pass would compete for the core with the loop writing them out.
+            assert self._loop is not None  # set by start(), before any batch ran
+            self._loop.call_soon(self._pump)
 
         self._run_on_thread(lambda: self._infer(batch), done)
 
@@ -336,6 +342,7 @@ class DynamicBatcher:
     def _serve_jobs(self) -> None:
         """An inference thread: run jobs until the sentinel, answering each on the event loop."""
         self.backend.init_thread()
+        _no_wakeup_preemption()
         loop = self._loop
         assert loop is not None  # set by start(), before any thread exists
         while (job := self._jobs.get()) is not None:
@@ -443,3 +450,19 @@ class DynamicBatcher:
     def _finish(req: _Request) -> None:
         if req.slots is not None:
             req.slots.outstanding -= 1
+
+
+def _no_wakeup_preemption() -> None:
+    """Give the calling thread the SCHED_BATCH policy: it keeps its fair share of the CPU but
+    does not preempt the thread running when it wakes.
+
+    An inference thread wakes for each batch while the event loop's thread is still handing
+    out the last batch's answers and reading new requests; preempting it, the forward pass
+    held those back by a whole batch's time, and the clients' next requests with them. With the
+    server on one CPU (``mlp-large``, 64 envs, double-buffered, over the local Act socket) the
+    server's core sat idle 6-7 % of the time for want of requests; with this thread SCHED_BATCH
+    it ran full, at 7-8 % more env steps/s (2 alternated pairs), and with the next batch also
+    started after the answers (see ``_start``) at 8-12 % more; over gRPC both gave 3 %.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the default policy stays
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
