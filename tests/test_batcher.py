@@ -1,6 +1,7 @@
 """The dynamic batcher on its own, with real asyncio and a real inference thread."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -193,3 +194,43 @@ def test_batches_run_up_to_the_pipeline_depth_at_once_and_swaps_only_between_the
         await b.close()
 
     run(main())
+
+
+def test_the_next_batch_starts_after_the_last_ones_waiters_ran() -> None:
+    """A finished batch's answers go out before the next forward pass competes for the core."""
+
+    class Recording(EchoPolicy):
+        def infer(self, obs: np.ndarray) -> PolicyResult:
+            events.append(f"infer {obs[0, 0]:.0f}")
+            time.sleep(0.05)
+            return super().infer(obs)
+
+    events: list[str] = []
+
+    async def main() -> None:
+        b = DynamicBatcher(Recording(4, 2), max_batch_size=64, max_delay_us=0, max_queue_rows=256)
+        b.start()
+        s1, s2 = b.open_stream(1), b.open_stream(1)
+        f1 = b.submit(_obs(1, 1.0), s1)
+        f1.add_done_callback(lambda _: events.append("answer 1"))
+        await asyncio.sleep(0.01)  # batch 1 runs
+        f2 = b.submit(_obs(1, 2.0), s2)  # queued behind it
+        await asyncio.gather(f1, f2)
+        await b.close()
+
+    run(main())
+    assert events == ["infer 1", "answer 1", "infer 2"]
+
+
+def test_inference_threads_do_not_preempt_on_waking() -> None:
+    async def main() -> int:
+        b = DynamicBatcher(EchoPolicy(4, 2), max_batch_size=64, max_delay_us=0, max_queue_rows=256)
+        b.start()
+        await b.submit(_obs(1, 1.0), b.open_stream(1))
+        policy = b.run_between_batches(lambda: os.sched_getscheduler(0))  # on the inference thread
+        result = await policy
+        await b.close()
+        return result
+
+    assert run(main()) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left as it was
