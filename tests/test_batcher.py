@@ -212,14 +212,15 @@ def test_the_next_batch_starts_after_the_last_ones_waiters_ran() -> None:
         b.start()
         s1, s2 = b.open_stream(1), b.open_stream(1)
         f1 = b.submit(_obs(1, 1.0), s1)
-        f1.add_done_callback(lambda _: events.append("answer 1"))
+        # batch 2 still queued when batch 1's waiters run: not yet handed to the inference thread
+        f1.add_done_callback(lambda _: events.append(f"answer 1, {b.queued_rows} row queued"))
         await asyncio.sleep(0.01)  # batch 1 runs
         f2 = b.submit(_obs(1, 2.0), s2)  # queued behind it
         await asyncio.gather(f1, f2)
         await b.close()
 
     run(main())
-    assert events == ["infer 1", "answer 1", "infer 2"]
+    assert events == ["infer 1", "answer 1, 1 row queued", "infer 2"]
 
 
 def test_inference_threads_do_not_preempt_on_waking() -> None:
