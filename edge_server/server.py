@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
+from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
@@ -60,6 +61,9 @@ class ServerConfig:
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
     tokens: str = ""
     """TOML file of caller tokens (see edgerl.edge_server.auth); when set, every call needs one."""
+    local_socket: str = ""
+    """Path of a Unix socket that serves the Act stream without gRPC to clients on this machine
+    (see edgerl.edge_server.local); empty: none."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -142,6 +146,11 @@ class EdgeServer:
         )
         self.auth = TokenAuthInterceptor(load_tokens(cfg.tokens)) if cfg.tokens else None
         self.health = health.aio.HealthServicer()
+        self.local = (
+            LocalActServer(self.servicer, cfg.local_socket, cfg.max_message_bytes)
+            if cfg.local_socket
+            else None
+        )
         self._server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -186,6 +195,8 @@ class EdgeServer:
             self.port = server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {host}:{cfg.port}")
+        if self.local is not None:
+            await self.local.start()  # before serving: a path that cannot be bound stops the start
         await server.start()
         self._server = server
         for name in ("", *services):
@@ -205,8 +216,12 @@ class EdgeServer:
         server, self._server = self._server, None
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
+        if self.local is not None:
+            self.local.stop_accepting()
         await self.batcher.close()
         await server.stop(grace)
+        if self.local is not None:
+            await self.local.close()
         log.info("edge server on %s stopped", self.address)
 
     async def wait_for_termination(self) -> None:

@@ -176,27 +176,18 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 if store is not None and handle is not None:
                     n = len(env_ids)
                     ids = np.asarray(env_ids)
-                    fallback = np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool)
-                    store.observe(
+                    future = self.submit_step(
+                        slots,
                         handle,
                         ids,
                         obs,
                         rewards=np.asarray(step.rewards, np.float32),
                         terminated=np.asarray(step.terminated, bool),
                         truncated=np.asarray(step.truncated, bool),
-                        fallback=fallback,
+                        fallback=np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool),
                     )
-                    if not store.try_admit(handle, ids) and slots is not None:
-                        # Wait for admission off the read path: the stream's other messages
-                        # must still be read (they complete rows the trainer is waiting for).
-                        self.batcher.hold(slots)
-                        task = asyncio.get_running_loop().create_task(
-                            self._admit_and_submit(store, handle, ids, obs, slots)
-                        )
-                        out.put_nowait(_Pending(seq, env_ids, task, handle, ids))
-                        seq += 1
-                        continue
-                future = self.batcher.submit(obs, slots)
+                else:
+                    future = self.batcher.submit(obs, slots)
                 out.put_nowait(_Pending(seq, env_ids, future, handle, ids))
                 seq += 1
             out.put_nowait(_END)
@@ -223,6 +214,35 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         finally:
             if slots is not None:
                 self.batcher.close_stream(slots)
+
+    def submit_step(
+        self,
+        slots: StreamSlots | None,
+        handle: StreamHandle | None,
+        ids: np.ndarray,
+        obs: np.ndarray,
+        *,
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        fallback: np.ndarray,
+    ) -> asyncio.Future[BatchResult]:
+        """Hand a stream's validated step to the transition store (when it collects) and the batcher.
+
+        Raises what :meth:`TransitionStore.observe` and :meth:`DynamicBatcher.submit` raise.
+        """
+        store = self.store
+        if store is None or handle is None:
+            return self.batcher.submit(obs, slots)
+        store.observe(
+            handle, ids, obs, rewards=rewards, terminated=terminated, truncated=truncated, fallback=fallback
+        )
+        if store.try_admit(handle, ids) or slots is None:
+            return self.batcher.submit(obs, slots)
+        # Wait for admission off the read path: the stream's other messages must still be
+        # read (they complete rows the trainer is waiting for).
+        self.batcher.hold(slots)
+        return asyncio.get_running_loop().create_task(self._admit_and_submit(store, handle, ids, obs, slots))
 
     async def _admit_and_submit(
         self,

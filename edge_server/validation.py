@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from edgerl.proto import tensors
+from edgerl.proto.frames import ObsRows
 from edgerl.proto.v1 import edge_pb2 as pb
 
 MAX_SESSION_ID_LEN = 128
@@ -99,3 +100,35 @@ def check_step(
     if not math.isfinite(sum(step.rewards)):
         raise _invalid("step.rewards: contains NaN or Inf")
     return obs, env_ids
+
+
+def check_rows(rows: ObsRows, spec: StreamSpec, obs_shape: tuple[int, ...], max_rows: int) -> np.ndarray:
+    """Validate the rows of a local stream's ``O`` frame; returns the observations ``[n, *obs_shape]``.
+
+    The same checks as :func:`check_step`, named by the frame's fields."""
+    ids = rows.env_ids
+    n = len(ids)
+    if not 1 <= n <= max_rows:
+        raise _invalid(f"rows.env_ids: need 1 to {max_rows} env ids (max_batch_size), got {n}")
+    low, high = int(ids[0]), int(ids[-1])
+    if high - low != n - 1 or not (np.diff(ids) == 1).all():  # not one run of ids: check each
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < spec.num_envs and np.count_nonzero(np.bincount(ids)) != n:
+            raise _invalid("rows.env_ids: duplicate env id")
+    if low < 0 or high >= spec.num_envs:
+        bad = low if low < 0 else high
+        raise _invalid(f"rows.env_ids: ids must be in [0, num_envs={spec.num_envs}), got {bad}")
+    size = math.prod(obs_shape)
+    if rows.obs.shape[1] != size:
+        raise _invalid(
+            f"rows.obs: expected {size} values per row ({list(obs_shape)}), got {rows.obs.shape[1]}"
+        )
+    obs = rows.obs.reshape(n, *obs_shape)
+    if not np.isfinite(obs).all():
+        bad = int(np.argwhere(~np.isfinite(obs).reshape(n, -1))[0][0])
+        raise _invalid(f"rows.obs: row {bad} contains NaN or Inf")
+    if not np.isfinite(rows.rewards).all():
+        raise _invalid("rows.rewards: contains NaN or Inf")
+    if rows.flags.max(initial=0) > 1:
+        raise _invalid("rows.flags: terminated, truncated and fallback must be 0 or 1")
+    return obs

@@ -2,7 +2,9 @@
 
 - ``sync_inprocess``: one vector env + a batched forward pass in one process, no RPC.
 - ``sync_unary``: one unary RPC per env per step, waiting for each answer (the naive design).
-- ``async_stream``: the edge server + double-buffered streaming sim workers.
+- ``async_stream``: the edge server + double-buffered streaming sim workers (gRPC).
+- ``async_local``: the same over the server's local Act socket instead of gRPC
+  (:mod:`edgerl.edge_server.local`), as sim workers on the server's machine may run.
 
 Modes run one after another, ``--repeats`` times interleaved; the JSON gives
 each mode's median env steps/s, every run, and the ratios of the medians.
@@ -16,6 +18,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -36,7 +39,8 @@ from edgerl.launch.processes import (
 )
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
-MODES = ("sync_inprocess", "sync_unary", "async_stream")
+MODES = ("sync_inprocess", "sync_unary", "async_stream", "async_local")
+STREAM_MODES = ("async_stream", "async_local")
 
 
 @dataclass(frozen=True)
@@ -242,8 +246,11 @@ def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
             e.close()
 
 
-def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
+def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = "") -> float:
+    """Env steps/s of the sim workers streaming to the server at ``address`` (gRPC), or over
+    its ``local_socket``."""
     worker_cpus, others = cfg.placement()
+    network_process = bool(cfg.network_process) and not local_socket
     fleet = WorkerFleet(
         SimWorkerConfig(
             server=address,
@@ -252,8 +259,9 @@ def run_async_stream(cfg: ThroughputConfig, address: str) -> float:
             groups=cfg.groups,
             seed=cfg.seed,
             session_id="bench",
-            network_process=bool(cfg.network_process),
-            network_cpus=tuple(sorted(others or ())) if cfg.network_process else (),
+            network_process=network_process,
+            network_cpus=tuple(sorted(others or ())) if network_process else (),
+            local_socket=local_socket,
         ),
         cfg.workers,
         worker_cpus=worker_cpus,
@@ -277,7 +285,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
-    stream_stats: dict[str, Any] = {}
+    stream_stats: dict[str, dict[str, Any]] = {}
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
     cfg = cfg.placed(first[1], first[2], inference_cpus())
@@ -288,9 +296,10 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     )
     policy = PolicySpec.from_options(cfg, replicas=cfg.replicas)
     server_cpus = cfg.placement()[1]
-    with ServerProcess(
-        policy, ServerConfig(port=0, max_delay_us=cfg.max_delay_us), cpus=server_cpus
-    ) as server:
+    sock_dir = tempfile.TemporaryDirectory(prefix="edgerl-bench-")
+    local_socket = os.path.join(sock_dir.name, "act.sock")
+    server_cfg = ServerConfig(port=0, max_delay_us=cfg.max_delay_us, local_socket=local_socket)
+    with sock_dir, ServerProcess(policy, server_cfg, cpus=server_cpus) as server:
         for r in range(cfg.repeats):
             for mode in MODES:
                 if r or mode != "sync_inprocess":
@@ -302,10 +311,10 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                     sps = run_sync_unary(cfg, server.address)
                 else:
                     before = server_stats(server.address)
-                    sps = run_async_stream(cfg, server.address)
+                    sps = run_async_stream(cfg, server.address, local_socket if mode == "async_local" else "")
                     after = server_stats(server.address)
                     batches = after["batches"] - before["batches"]
-                    stream_stats = {
+                    stream_stats[mode] = {
                         **after,
                         "batches": batches,
                         "mean_batch_rows": round((after["rows"] - before["rows"]) / max(1, batches), 1),
@@ -320,14 +329,18 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         **{m: round(med[m], 1) for m in MODES},
         "overlap_bound": round(overlap, 3),
         "ratios": {
-            "async_stream/sync_unary": round(med["async_stream"] / med["sync_unary"], 3),
-            "async_stream/sync_inprocess": round(med["async_stream"] / med["sync_inprocess"], 3),
-            # how much of the overlap bound the pipeline reaches (1.0: perfect overlap of one
-            # inference engine with the envs; policy replicas can go beyond it)
-            "async_stream/overlap_bound": round(med["async_stream"] / (med["sync_inprocess"] * overlap), 3),
+            key: value
+            for mode in STREAM_MODES
+            for key, value in (
+                (f"{mode}/sync_unary", round(med[mode] / med["sync_unary"], 3)),
+                (f"{mode}/sync_inprocess", round(med[mode] / med["sync_inprocess"], 3)),
+                # how much of the overlap bound the pipeline reaches (1.0: perfect overlap of one
+                # inference engine with the envs; policy replicas can go beyond it)
+                (f"{mode}/overlap_bound", round(med[mode] / (med["sync_inprocess"] * overlap), 3)),
+            )
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
-        "server_async_stream": stream_stats,
+        **{f"server_{mode}": stream_stats.get(mode, {}) for mode in STREAM_MODES},
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

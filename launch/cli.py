@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -235,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
     p.add_argument("--tokens", default="", help="TOML file of caller tokens; every call then needs one")
+    p.add_argument(
+        "--local-socket",
+        default="",
+        metavar="PATH",
+        help="also serve the Act stream without gRPC on this Unix socket, to sim workers on this "
+        "machine (edgerl sim --local-socket PATH); empty: none",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -243,7 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run sim workers against a server",
         description="Start sim worker processes that stream to an edge server.",
     )
-    p.add_argument("--server", required=True, help="edge server address, host:port (required)")
+    p.add_argument("--server", default="", help="edge server address, host:port (or --local-socket)")
+    p.add_argument(
+        "--local-socket",
+        default="",
+        metavar="PATH",
+        help="stream over the local Act socket of a server on this machine (its --local-socket) "
+        "instead of gRPC to --server",
+    )
     _add_env(p, envs=32)
     _add_workers(p, workers=1)
     add_client_security(p)
@@ -264,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batching(p)
     p.add_argument("--seconds", type=float, default=30.0, help="run time (0: until --steps or Ctrl-C)")
     p.add_argument("--steps", type=int, default=0, help="stop after this many env steps (0: no limit)")
+    p.add_argument(
+        "--transport",
+        choices=["grpc", "local"],
+        default="grpc",
+        help="how the workers reach the server: its gRPC port, or its local Act socket (no gRPC; "
+        "faster on one machine, see edgerl bench throughput's async_local)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     _add_common(p)
 
@@ -533,6 +555,7 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
         security=client_security(a) if hasattr(a, "tls_ca") else None,
         network_process=a.network_process,
         network_cpus=tuple(sorted(other_cpus(_worker_cpus(a)) or ())) if a.network_process else (),
+        local_socket=getattr(a, "local_socket", ""),
     )
 
 
@@ -549,6 +572,8 @@ def _fleet(a: argparse.Namespace, server: str) -> WorkerFleet:
 def _sim(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
+    if bool(a.server) == bool(a.local_socket):
+        raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
     with _fleet(a, a.server) as fleet:
         summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
     return _report(summary, None)
@@ -558,12 +583,20 @@ def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
     policy = PolicySpec.from_options(a, replicas=a.replicas)
-    cfg = ServerConfig(port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us)
-    with ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a))) as server:
+    sock_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-")
+    local = os.path.join(sock_dir.name, "act.sock") if a.transport == "local" else ""
+    cfg = ServerConfig(
+        port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us, local_socket=local
+    )
+    server = ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a)))
+    with sock_dir, server:
+        via = f"its local socket {local}" if local else "gRPC"
         print(
-            f"edgerl: edge server on {server.address}; {a.workers} worker(s), {a.envs} envs of {a.env}",
+            f"edgerl: edge server on {server.address}; {a.workers} worker(s), {a.envs} envs of {a.env} "
+            f"over {via}",
             flush=True,
         )
+        a.local_socket = local
         with _fleet(a, server.address) as fleet:
             summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
         summary["server"] = server_stats(server.address)

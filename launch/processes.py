@@ -470,7 +470,7 @@ def _worker_main(
             report()
 
     try:
-        if config.network_process:
+        if config.network_process or config.local_socket:
             worker.run_blocking(stop.is_set, report)
         else:
             asyncio.run(main())

@@ -25,6 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from edgerl.proto.frames import ObsRows
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions, ActStream, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
@@ -103,18 +104,6 @@ class _LinkConfig(Protocol):
     def security(self) -> ClientSecurity | None: ...
     @property
     def network_cpus(self) -> tuple[int, ...]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ObsRows:
-    """Observations of some robots, and what their previous actions earned."""
-
-    env_ids: np.ndarray
-    obs: np.ndarray
-    """float32 ``[rows, obs_size]`` (flattened observations)."""
-    rewards: np.ndarray
-    flags: np.ndarray
-    """uint8 ``[rows, 3]``: terminated, truncated, fallback."""
 
 
 Part = TypeVar("Part")

@@ -13,22 +13,11 @@ is busy, even when it runs behind. A
 uses the same child: it writes each env group's observations and waits on the
 socket for their actions, so the gRPC client's work leaves the worker's core.
 
-This module holds both ends' frame codec and the child, which runs a
-:class:`~edgerl.robot_client.keeper.StreamKeeper`. Frames are a
-little-endian ``u32`` length and a payload whose first byte is its kind:
-
-- ``C`` (control → child, first): the child's settings, JSON.
-- ``O`` (control → child): ``epoch, rows, obs_size`` (``u32``), then the
-  rows' env ids (``i32``), observations (``f32``), rewards (``f32``) and
-  terminated / truncated / fallback flags (``u8`` each, row by row).
-- ``U`` / ``D`` (child → control): the stream of ``epoch`` (``u32``) is up /
-  failed; observations of another epoch than the open stream's are dropped.
-  A ``D`` frame goes on with the failure, UTF-8: its gRPC status name (empty
-  for a failure with none), a newline, the message.
-- ``A`` (child → control): ``epoch, rows`` (``u32``), ``policy_version``
-  (``i64``), the action shape of one row (``u8`` count, ``u32`` each), then the
-  actions (``f32``) and log-probabilities (``f32``). Answers come in the order
-  of the rows sent, so the control end matches them by position.
+This module holds the child, which runs a
+:class:`~edgerl.robot_client.keeper.StreamKeeper`, and the frames that name
+errors and carry settings; the rest of the frame codec is
+:mod:`edgerl.proto.frames`. Observations of another epoch than the open
+stream's are dropped.
 """
 
 from __future__ import annotations
@@ -40,115 +29,36 @@ import json
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
-from dataclasses import dataclass
 
-import numpy as np
-
+from edgerl.proto.frames import (
+    CONFIG,
+    LENGTH,
+    OBS,
+    UP,
+    decode_failure,
+    decode_obs,
+    encode_answer,
+    encode_failure,
+    encode_state,
+    frame,
+)
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, concat_rows
-
-LENGTH = struct.Struct("<I")
-CONFIG, OBS, UP, DOWN, ANSWER = b"C", b"O", b"U", b"D", b"A"
-_OBS = struct.Struct("<cIII")
-_STATE = struct.Struct("<cI")
-_ANSWER = struct.Struct("<cIIqB")
-
-
-def frame(payload: bytes) -> bytes:
-    return LENGTH.pack(len(payload)) + payload
-
-
-def encode_obs(epoch: int, rows: ObsRows) -> bytes:
-    n = len(rows.env_ids)
-    obs = np.ascontiguousarray(rows.obs, np.float32).reshape(n, -1)
-    return frame(
-        b"".join(
-            (
-                _OBS.pack(OBS, epoch, n, obs.shape[1]),
-                np.ascontiguousarray(rows.env_ids, np.int32).tobytes(),
-                obs.tobytes(),
-                np.ascontiguousarray(rows.rewards, np.float32).tobytes(),
-                np.ascontiguousarray(rows.flags, np.uint8).tobytes(),
-            )
-        )
-    )
-
-
-def decode_obs(payload: bytes) -> tuple[int, ObsRows]:
-    """The epoch and the rows of an ``O`` frame."""
-    _, epoch, rows, size = _OBS.unpack_from(payload)
-    at = _OBS.size
-    ids = np.frombuffer(payload, np.int32, rows, at)
-    at += 4 * rows
-    obs = np.frombuffer(payload, np.float32, rows * size, at).reshape(rows, size)
-    at += 4 * rows * size
-    rewards = np.frombuffer(payload, np.float32, rows, at)
-    at += 4 * rows
-    flags = np.frombuffer(payload, np.uint8, 3 * rows, at).reshape(rows, 3)
-    return epoch, ObsRows(ids, obs, rewards, flags)
-
-
-def encode_state(kind: bytes, epoch: int) -> bytes:
-    return frame(_STATE.pack(kind, epoch))
-
-
-def decode_state(payload: bytes) -> int:
-    epoch: int = _STATE.unpack_from(payload)[1]
-    return epoch
+from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
 
 
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
     code = error.code.name if isinstance(error, errors.RpcError) else ""
     details = error.details if isinstance(error, errors.RpcError) else str(error)
-    return frame(_STATE.pack(DOWN, epoch) + f"{code}\n{details}".encode())
+    return encode_failure(epoch, code, details)
 
 
 def decode_down(payload: bytes) -> tuple[int, errors.EdgeRLError]:
     """The epoch of a ``D`` frame and the named error it reports."""
-    code, _, details = payload[_STATE.size :].decode(errors="replace").partition("\n")
-    return decode_state(payload), errors.from_code(code, details)
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerRows:
-    """The server's answer to the rows of one or more ``O`` frames, in their order."""
-
-    epoch: int
-    policy_version: int
-    actions: np.ndarray
-    """float32 ``[rows, *row_shape]`` (a chunk per row for chunk policies)."""
-    log_probs: np.ndarray
-
-
-def encode_answer(epoch: int, policy_version: int, actions: np.ndarray, log_probs: np.ndarray) -> bytes:
-    actions = np.ascontiguousarray(actions, np.float32)
-    row_shape = actions.shape[1:]
-    return frame(
-        b"".join(
-            (
-                _ANSWER.pack(ANSWER, epoch, len(actions), policy_version, len(row_shape)),
-                struct.pack(f"<{len(row_shape)}I", *row_shape),
-                actions.tobytes(),
-                np.ascontiguousarray(log_probs, np.float32).tobytes(),
-            )
-        )
-    )
-
-
-def decode_answer(payload: bytes) -> AnswerRows:
-    _, epoch, rows, version, ndim = _ANSWER.unpack_from(payload)
-    at = _ANSWER.size
-    row_shape = struct.unpack_from(f"<{ndim}I", payload, at)
-    at += 4 * ndim
-    size = rows * int(np.prod(row_shape, dtype=np.int64))
-    actions = np.frombuffer(payload, np.float32, size, at).reshape(rows, *row_shape)
-    at += 4 * size
-    log_probs = np.frombuffer(payload, np.float32, rows, at)
-    return AnswerRows(epoch, version, actions, log_probs)
+    epoch, code, details = decode_failure(payload)
+    return epoch, errors.from_code(code, details)
 
 
 def encode_settings(settings: StreamSettings) -> bytes:
@@ -160,20 +70,6 @@ def decode_settings(payload: bytes) -> StreamSettings:
     fields["obs_shape"] = tuple(fields["obs_shape"])
     fields["cpus"] = tuple(fields["cpus"])
     return StreamSettings(**fields)
-
-
-def split_frames(buffer: bytearray) -> list[bytes]:
-    """Take the complete frames off the front of ``buffer`` (what is left is a frame's start)."""
-    frames = []
-    at = 0
-    while len(buffer) - at >= LENGTH.size:
-        (n,) = LENGTH.unpack_from(buffer, at)
-        if len(buffer) - at - LENGTH.size < n:
-            break
-        frames.append(bytes(buffer[at + LENGTH.size : at + LENGTH.size + n]))
-        at += LENGTH.size + n
-    del buffer[:at]
-    return frames
 
 
 async def _main(sock: socket.socket) -> None:

@@ -54,9 +54,10 @@ from typing import Any
 
 import numpy as np
 
+from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import ObsRows, StreamKeeper, StreamSettings, check_cpus
+from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus
 from edgerl.robot_client.robot import Reading, Robot
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
@@ -208,11 +209,11 @@ def run_loop_for(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
     timer.cancel()
 
 
-def _obs_rows(batches: list[list[tuple[int, _Request]]]) -> ObsRows:
+def _obs_rows(batches: list[list[tuple[int, _Request]]]) -> frames.ObsRows:
     """The requests of ``batches`` (robot index, request), in order, as arrays."""
     pairs = [pair for batch in batches for pair in batch]
     reqs = [r for _, r in pairs]
-    return ObsRows(
+    return frames.ObsRows(
         np.fromiter((i for i, _ in pairs), np.int32, len(pairs)),
         np.stack([r.obs for r in reqs]).reshape(len(reqs), -1),
         np.fromiter((r.reward for r in reqs), np.float32, len(reqs)),
@@ -287,7 +288,7 @@ class _Outbox:
         self.reconnects += 1
         self._disconnect()
 
-    def _answer(self, epoch: int, answer: Actions | netproc.AnswerRows) -> None:
+    def _answer(self, epoch: int, answer: Actions | frames.AnswerRows) -> None:
         actions, version, log_probs = answer.actions, answer.policy_version, answer.log_probs
         n = len(actions)
         if epoch != self.epoch or n > len(self._rows):
@@ -405,7 +406,7 @@ class _ProcessOutbox(_Outbox):
     def _emit(self, batch: list[tuple[int, _Request]]) -> bool:
         if len(self._out) > MAX_BACKLOG_BYTES:
             return False  # the network process is stuck
-        self._out += netproc.encode_obs(self.epoch, _obs_rows([batch]))
+        self._out += frames.encode_obs(self.epoch, _obs_rows([batch]))
         self._send()
         return True
 
@@ -442,14 +443,14 @@ class _ProcessOutbox(_Outbox):
             self._in += data
             if len(data) < RECV_BYTES:
                 break
-        for payload in netproc.split_frames(self._in):
+        for payload in frames.split_frames(self._in):
             kind = payload[:1]
-            if kind == netproc.ANSWER:
-                answer = netproc.decode_answer(payload)
+            if kind == frames.ANSWER:
+                answer = frames.decode_answer(payload)
                 self._answer(answer.epoch, answer)
-            elif kind == netproc.UP:
-                self._up(netproc.decode_state(payload))
-            elif kind == netproc.DOWN:
+            elif kind == frames.UP:
+                self._up(frames.decode_state(payload))
+            elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
         self._run_timers()
         self.flush()  # an episode's last observation, queued behind its answer

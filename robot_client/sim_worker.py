@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
-from edgerl.robot_client.keeper import ObsRows, StreamSettings, check_cpus
+from edgerl.robot_client.keeper import StreamSettings, check_cpus
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.envs import env_spec, make_vector_env
 
@@ -72,6 +73,9 @@ class SimWorkerConfig:
     """CPUs the worker process runs on (set by the worker process at start); empty: any."""
     network_cpus: tuple[int, ...] = ()
     """CPUs of the network process; empty: any."""
+    local_socket: str = ""
+    """Path of the edge server's local Act socket (``edgerl serve --local-socket``): stream over it
+    instead of gRPC, as a worker on the server's machine may; ``server`` is then not used."""
 
     def __post_init__(self) -> None:
         if self.num_envs < 1:
@@ -85,6 +89,10 @@ class SimWorkerConfig:
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         check_cpus(self, "cpus", "network_cpus")
+        if self.local_socket and self.network_process:
+            raise ValueError(
+                "local_socket and network_process exclude each other: the local socket needs no gRPC"
+            )
 
 
 @dataclass
@@ -113,10 +121,10 @@ class _Group:
     async def send(self, stream: ActStream) -> None:
         await stream.send(self.ids, self.obs, self.rewards, self.terminated, self.truncated)
 
-    def rows(self) -> ObsRows:
+    def rows(self) -> frames.ObsRows:
         flags = np.zeros((len(self.ids), 3), np.uint8)
         flags[:, 0], flags[:, 1] = self.terminated, self.truncated
-        return ObsRows(np.asarray(self.ids, np.int32), self.obs, self.rewards, flags)
+        return frames.ObsRows(np.asarray(self.ids, np.int32), self.obs, self.rewards, flags)
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
         self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
@@ -171,7 +179,7 @@ class SimWorker:
             RpcError: any other failure (named by its gRPC code).
         """
         cfg = self.config
-        if cfg.network_process:
+        if cfg.network_process or cfg.local_socket:
             cancelled = False
             try:
                 return await asyncio.to_thread(self.run_blocking, lambda: cancelled or should_stop())
@@ -257,8 +265,9 @@ class SimWorker:
         """
         cfg = self.config
         groups, progress = self._groups, self.progress
-        net = _NetworkEnd(
-            StreamSettings.of(cfg, self.session_id, cfg.num_envs, self._obs_shape, cfg.env_name)
+        settings = StreamSettings.of(cfg, self.session_id, cfg.num_envs, self._obs_shape, cfg.env_name)
+        net: _NetworkEnd | _LocalEnd = (
+            _LocalEnd(cfg.local_socket, settings) if cfg.local_socket else _NetworkEnd(settings)
         )
         epoch = 0  # of the open stream; 0: none
         sent: deque[_Group] = deque()  # groups awaiting actions, in the order sent
@@ -284,20 +293,20 @@ class SimWorker:
                     )
                 payload = net.receive(0.1)
                 kind = payload[:1]
-                if kind == netproc.ANSWER:
-                    answer = netproc.decode_answer(payload)
+                if kind == frames.ANSWER:
+                    answer = frames.decode_answer(payload)
                     if answer.epoch == epoch:
                         answered.add(answer.actions)
                         progress.last_policy_version = answer.policy_version
                         since_up = True
-                elif kind == netproc.UP:
-                    epoch = netproc.decode_state(payload)
+                elif kind == frames.UP:
+                    epoch = frames.decode_state(payload)
                     sent.clear()
                     answered = _Rows()
                     for g in groups:
                         net.send(epoch, g.rows())
                         sent.append(g)
-                elif kind == netproc.DOWN:
+                elif kind == frames.DOWN:
                     down, error = netproc.decode_down(payload)
                     if not isinstance(error, errors.ServerUnavailableError):
                         raise error
@@ -342,8 +351,8 @@ class _NetworkEnd:
         self._in = bytearray()
         self._frames: deque[bytes] = deque()
 
-    def send(self, epoch: int, rows: ObsRows) -> None:
-        self._sock.sendall(netproc.encode_obs(epoch, rows))
+    def send(self, epoch: int, rows: frames.ObsRows) -> None:
+        self._sock.sendall(frames.encode_obs(epoch, rows))
 
     def receive(self, timeout_s: float) -> bytes:
         """The next frame, or b"" if none came within ``timeout_s``.
@@ -360,10 +369,121 @@ class _NetworkEnd:
                 code = self._proc.wait()
                 raise errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
             self._in += data
-            self._frames.extend(netproc.split_frames(self._in))
+            self._frames.extend(frames.split_frames(self._in))
             if not self._frames:
                 return b""
         return self._frames.popleft()
 
     def close(self) -> None:
         netproc.stop(self._sock, self._proc)
+
+
+class _LocalEnd:
+    """A sim worker's end of the edge server's local Act socket (``local_socket``).
+
+    It gives :meth:`SimWorker.run_blocking` the frames a network process would: ``U`` with a
+    new epoch for every connection the server accepted, ``D`` for every one that failed (or
+    could not be made: UNAVAILABLE, retried with backoff), ``A`` for each group's actions.
+    An answer later than ``timeout_s`` fails the stream with DEADLINE_EXCEEDED.
+    """
+
+    def __init__(self, path: str, settings: StreamSettings) -> None:
+        self._path = path
+        self._settings = settings
+        self._sock: socket.socket | None = None
+        self._epoch = 0
+        self._up = False  # the server accepted the open connection's settings
+        self._retry_at = 0.0
+        self._backoff = settings.backoff_initial_s
+        self._in = bytearray()
+        self._frames: deque[bytes] = deque()
+        self._sent: deque[float] = deque()  # when each unanswered group's rows went out
+
+    def send(self, epoch: int, rows: frames.ObsRows) -> None:
+        if self._sock is None or not self._up or epoch != self._epoch:
+            return  # for a stream that is gone: never answered, as with a network process
+        try:
+            self._sock.sendall(frames.encode_obs(epoch, rows))
+        except OSError as exc:
+            self._lost(f"the local socket {self._path} failed: {exc}")
+            return
+        self._sent.append(time.monotonic())
+
+    def receive(self, timeout_s: float) -> bytes:
+        """The next frame, or b"" if none came within ``timeout_s``."""
+        if not self._frames:
+            if self._sock is None:
+                self._connect(timeout_s)
+            else:
+                self._read(timeout_s)
+        return self._frames.popleft() if self._frames else b""
+
+    def _connect(self, timeout_s: float) -> None:
+        wait = self._retry_at - time.monotonic()
+        if wait > 0:
+            time.sleep(min(wait, timeout_s))
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self._path)
+            sock.sendall(netproc.encode_settings(self._settings))
+        except OSError as exc:
+            sock.close()
+            self._epoch += 1
+            self._lost(f"cannot reach the local socket {self._path}: {exc}")
+            return
+        self._sock, self._up = sock, False
+        self._epoch += 1
+        self._in.clear()
+
+    def _read(self, timeout_s: float) -> None:
+        assert self._sock is not None
+        deadline = self._sent[0] + self._settings.timeout_s if self._sent else None
+        wait = timeout_s if deadline is None else max(0.0, min(timeout_s, deadline - time.monotonic()))
+        ready, _, _ = select.select([self._sock], [], [], wait)
+        if not ready:
+            if deadline is not None and time.monotonic() >= deadline:
+                self._fail("DEADLINE_EXCEEDED", f"no answer within {self._settings.timeout_s:g}s")
+            return
+        try:
+            data = self._sock.recv(1 << 20)
+        except OSError as exc:
+            self._lost(f"the local socket {self._path} failed: {exc}")
+            return
+        if not data:
+            self._lost(f"the server closed the local socket {self._path}")
+            return
+        self._in += data
+        for payload in frames.split_frames(self._in):
+            kind = payload[:1]
+            if kind == frames.ANSWER:
+                self._sent.popleft()
+                self._frames.append(payload)
+            elif kind == frames.UP:
+                self._up, self._backoff = True, self._settings.backoff_initial_s
+                self._frames.append(frames.encode_state(frames.UP, self._epoch)[frames.LENGTH.size :])
+            elif kind == frames.DOWN:
+                _, error = netproc.decode_down(payload)
+                code = error.code.name if isinstance(error, errors.RpcError) else ""
+                details = error.details if isinstance(error, errors.RpcError) else str(error)
+                self._fail(code, details)
+                return
+
+    def _lost(self, details: str) -> None:
+        self._fail("UNAVAILABLE", details)
+
+    def _fail(self, code: str, details: str) -> None:
+        """End the connection with a ``D`` frame; reconnect after the backoff."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._up = False
+        self._sent.clear()
+        self._frames.append(frames.encode_failure(self._epoch, code, details)[frames.LENGTH.size :])
+        self._retry_at = time.monotonic() + self._backoff * random.uniform(0.5, 1.0)
+        self._backoff = min(2 * self._backoff, self._settings.backoff_max_s)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -108,6 +108,21 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
 
 
+def test_rollout_over_the_local_socket(tmp_path: Path) -> None:
+    path = tmp_path / "rollout.json"
+    args = "rollout --env InvertedPendulum-v5 --envs 8 --workers 1 --seconds 3 --transport local"
+    out = _edgerl(args, path)
+    assert "over its local socket" in out.stdout
+    summary = json.loads(path.read_text())
+    assert summary["env_steps"] > 1000
+    assert summary["server"]["rows"] >= summary["env_steps"] - 8  # every step's actions came from it
+
+
+def test_sim_needs_a_server_or_a_local_socket() -> None:
+    stderr = _refused("sim", "--envs", "2")
+    assert "sim: give one of --server ADDR (gRPC) and --local-socket PATH" in stderr
+
+
 def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     out = _edgerl(
@@ -115,7 +130,7 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     )
     result = json.loads(path.read_text())
     assert json.loads(out.stdout.strip().splitlines()[-1]) == result
-    for mode in ("sync_inprocess", "sync_unary", "async_stream"):
+    for mode in ("sync_inprocess", "sync_unary", "async_stream", "async_local"):
         assert result[mode] > 0
     assert result["config"]["groups"] == 2  # the MLP's default: double-buffered
     assert result["config"]["replicas"] == 1  # inference costs less than env stepping: one copy
@@ -125,6 +140,10 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     assert result["ratios"]["async_stream/sync_unary"] == pytest.approx(
         result["async_stream"] / result["sync_unary"], rel=1e-2
     )
+    assert result["ratios"]["async_local/sync_inprocess"] == pytest.approx(
+        result["async_local"] / result["sync_inprocess"], rel=1e-2
+    )
+    assert result["server_async_local"]["rows"] > 0  # the server's Stats after the local run
 
 
 def test_serve_options_become_the_server_config() -> None:

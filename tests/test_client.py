@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.proto import frames
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
@@ -188,7 +189,7 @@ def test_a_failure_reported_by_name_is_the_same_named_error() -> None:
         errors.PermissionDeniedError("no"),
         errors.EdgeRLError("x"),
     ):
-        epoch, got = netproc.decode_down(netproc.split_frames(bytearray(netproc.encode_down(7, sent)))[0])
+        epoch, got = netproc.decode_down(frames.split_frames(bytearray(netproc.encode_down(7, sent)))[0])
         assert epoch == 7 and type(got) is type(sent) and str(got) == str(sent)
 
 

@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from edgerl.proto import frames
 from edgerl.robot_client import netproc
-from edgerl.robot_client.keeper import ObsRows, StreamSettings, concat_rows
+from edgerl.robot_client.keeper import StreamSettings, concat_rows
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread, thread_ids
@@ -24,10 +25,10 @@ def test_observation_frames_round_trip() -> None:
     obs = rng.standard_normal((3, 2, 5)).astype(np.float32)  # any obs shape travels flattened
     rewards = np.array([1.5, -2.0, 0.25], np.float32)
     flags = np.array([(1, 0, 0), (0, 1, 1), (0, 0, 0)], np.uint8)
-    data = netproc.encode_obs(9, ObsRows(ids, obs, rewards, flags))
-    (payload,) = netproc.split_frames(bytearray(data))
-    assert payload[:1] == netproc.OBS
-    epoch, rows = netproc.decode_obs(payload)
+    data = frames.encode_obs(9, frames.ObsRows(ids, obs, rewards, flags))
+    (payload,) = frames.split_frames(bytearray(data))
+    assert payload[:1] == frames.OBS
+    epoch, rows = frames.decode_obs(payload)
     assert epoch == 9
     np.testing.assert_array_equal(rows.env_ids, ids)
     np.testing.assert_array_equal(rows.obs, obs.reshape(3, 10))
@@ -39,23 +40,23 @@ def test_observation_frames_round_trip() -> None:
 def test_answer_frames_round_trip_actions_and_chunks(row_shape: tuple[int, ...]) -> None:
     actions = np.arange(3 * int(np.prod(row_shape)), dtype=np.float32).reshape(3, *row_shape)
     log_probs = np.array([-1.0, -2.5, 0.5], np.float32)
-    (payload,) = netproc.split_frames(bytearray(netproc.encode_answer(4, 2**40 + 3, actions, log_probs)))
-    answer = netproc.decode_answer(payload)
+    (payload,) = frames.split_frames(bytearray(frames.encode_answer(4, 2**40 + 3, actions, log_probs)))
+    answer = frames.decode_answer(payload)
     assert (answer.epoch, answer.policy_version) == (4, 2**40 + 3)
     np.testing.assert_array_equal(answer.actions, actions)
     np.testing.assert_array_equal(answer.log_probs, log_probs)
 
 
 def test_split_frames_keeps_a_partial_frame_for_later() -> None:
-    data = netproc.encode_state(netproc.UP, 1) + netproc.encode_state(netproc.DOWN, 2)
+    data = frames.encode_state(frames.UP, 1) + frames.encode_state(frames.DOWN, 2)
     buffer = bytearray()
     seen: list[tuple[bytes, int]] = []
     for i in range(len(data)):  # byte by byte, as a socket may hand them over
         buffer += data[i : i + 1]
-        seen += [(p[:1], netproc.decode_state(p)) for p in netproc.split_frames(buffer)]
+        seen += [(p[:1], frames.decode_state(p)) for p in frames.split_frames(buffer)]
         if i < len(data) // 2 - 1:
             assert seen == []
-    assert seen == [(netproc.UP, 1), (netproc.DOWN, 2)] and buffer == bytearray()
+    assert seen == [(frames.UP, 1), (frames.DOWN, 2)] and buffer == bytearray()
 
 
 def test_stream_settings_round_trip_security() -> None:
@@ -71,8 +72,8 @@ def test_stream_settings_round_trip_security() -> None:
         log_level=logging.INFO,
         cpus=(0,),
     )
-    (payload,) = netproc.split_frames(bytearray(netproc.encode_settings(cfg)))
-    assert payload[:1] == netproc.CONFIG and netproc.decode_settings(payload) == cfg
+    (payload,) = frames.split_frames(bytearray(netproc.encode_settings(cfg)))
+    assert payload[:1] == frames.CONFIG and netproc.decode_settings(payload) == cfg
 
 
 def test_the_child_refuses_a_bad_command_line() -> None:
@@ -148,7 +149,7 @@ def test_bench_keeps_cpus_for_the_control_threads() -> None:
 
 def test_parts_offered_together_go_out_as_one_message_in_order() -> None:
     parts = [
-        ObsRows(np.array([i], np.int32), np.full((1, 2), i, np.float32), np.array([i], np.float32),
+        frames.ObsRows(np.array([i], np.int32), np.full((1, 2), i, np.float32), np.array([i], np.float32),
                 np.array([(i % 2, 0, 1)], np.uint8))
         for i in (3, 1, 2)
     ]  # fmt: skip

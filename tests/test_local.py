@@ -1,0 +1,378 @@
+"""The local Act socket: a real server, real Unix sockets, real MuJoCo envs behind a sim worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_rows
+from edgerl.models import build_policy
+from edgerl.proto import frames
+from edgerl.robot_client import errors
+from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
+from edgerl.sim.envs import env_spec
+from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server
+
+OBS, ACT = 3, 2
+_Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+def _settings(num_envs: int = 4, obs_shape: list[int] | None = None, **more: Any) -> bytes:
+    fields = {"session_id": "local-test", "num_envs": num_envs, "obs_shape": obs_shape or [OBS], **more}
+    return frames.frame(frames.CONFIG + json.dumps(fields).encode())
+
+
+def _rows(ids: list[int], obs: np.ndarray | None = None, flags: np.ndarray | None = None) -> frames.ObsRows:
+    n = len(ids)
+    if obs is None:
+        obs = np.arange(n * OBS, dtype=np.float32).reshape(n, OBS) + 10 * ids[0]
+    return frames.ObsRows(
+        np.asarray(ids, np.int32),
+        obs,
+        np.ones(n, np.float32),
+        np.zeros((n, 3), np.uint8) if flags is None else flags,
+    )
+
+
+async def _read(reader: asyncio.StreamReader) -> bytes:
+    (n,) = frames.LENGTH.unpack(await reader.readexactly(frames.LENGTH.size))
+    return await reader.readexactly(n)
+
+
+async def _open(path: str, settings: bytes | None = None) -> _Stream:
+    """A local stream the server accepted (its ``U`` frame read)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(_settings() if settings is None else settings)
+    assert (await _read(reader))[:1] == frames.UP
+    return reader, writer
+
+
+async def _ask(stream: _Stream, ids: list[int], epoch: int = 1) -> frames.AnswerRows:
+    reader, writer = stream
+    rows = _rows(ids)
+    writer.write(frames.encode_obs(epoch, rows))
+    answer = frames.decode_answer(await _read(reader))
+    np.testing.assert_array_equal(answer.actions, rows.obs[:, :ACT])  # EchoPolicy: its own row's
+    return answer
+
+
+async def _refusal(reader: asyncio.StreamReader) -> tuple[str, str]:
+    """The status name and message of the ``D`` frame that ends a stream (then EOF)."""
+    payload = await _read(reader)
+    if payload[:1] == frames.UP:  # the settings were good; what came after them was not
+        payload = await _read(reader)
+    assert payload[:1] == frames.DOWN
+    _, code, details = frames.decode_failure(payload)
+    assert await reader.read() == b""  # the server closed the socket
+    return code, details
+
+
+def test_local_stream_answers_every_frame_in_order_from_its_own_rows(tmp_path: Path) -> None:
+    async def main() -> None:
+        backend = EchoPolicy(OBS, ACT)
+        backend.version = 5
+        path = str(tmp_path / "act.sock")
+        async with running_server(backend, local_socket=path) as server:
+            reader, writer = await _open(path)
+            sent = [_rows([0, 1]), _rows([2, 3]), _rows([0, 1], np.full((2, OBS), -1, np.float32))]
+            for rows in sent:  # all in flight at once: answered in the order sent
+                writer.write(frames.encode_obs(7, rows))
+            for rows in sent:
+                answer = frames.decode_answer(await _read(reader))
+                assert (answer.epoch, answer.policy_version) == (7, 5)
+                np.testing.assert_array_equal(answer.actions, rows.obs[:, :ACT])
+                np.testing.assert_allclose(answer.log_probs, rows.obs.sum(1))
+            assert server.servicer.active_streams == 1
+            assert server.batcher.stats.requests == 3
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(100):  # the server sees the close on its next loop turn
+                if server.servicer.active_streams == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.servicer.active_streams == 0
+
+    run(main())
+
+
+def test_local_and_grpc_streams_share_the_batcher(tmp_path: Path) -> None:
+    async def main() -> None:
+        backend = EchoPolicy(OBS, ACT, delay_s=0.2)
+        path = str(tmp_path / "act.sock")
+        async with running_server(backend, local_socket=path, max_delay_us=100_000) as server:
+            stream = await _open(path)
+            grpc_answer = asyncio.ensure_future(act_once(f"127.0.0.1:{server.port}", _rows([0, 1]).obs))
+            while server.batcher.queued_rows < 2:  # it waits for the local stream, also open
+                await asyncio.sleep(0.005)
+            await _ask(stream, [0, 1, 2])
+            await grpc_answer
+            assert 5 in backend.batch_sizes  # one forward pass took both transports' rows
+
+    run(main())
+
+
+_GOOD = _rows([0, 1])
+_CASES = [
+    ("first frame not settings", frames.encode_obs(1, _GOOD), "FAILED_PRECONDITION", "must be its settings"),
+    ("settings not JSON", frames.frame(frames.CONFIG + b"{nope"), "INVALID_ARGUMENT", "settings: not a JSON"),
+    (
+        "settings missing num_envs",
+        frames.frame(frames.CONFIG + b'{"session_id": "x"}'),
+        "INVALID_ARGUMENT",
+        "settings:",
+    ),
+    ("obs shape of another env", _settings(obs_shape=[17]), "INVALID_ARGUMENT", "hello.obs_shape"),
+    ("no session id", _settings(session_id=""), "INVALID_ARGUMENT", "hello.session_id"),
+    ("settings twice", _settings() + _settings(), "FAILED_PRECONDITION", "settings: sent twice"),
+    ("unknown frame kind", _settings() + frames.frame(b"Z"), "INVALID_ARGUMENT", "frame: unknown kind"),
+    (
+        "truncated rows",
+        _settings() + frames.frame(frames.encode_obs(1, _GOOD)[4:-5]),
+        "INVALID_ARGUMENT",
+        "rows: a malformed frame",
+    ),
+    (
+        "NaN observation",
+        _settings() + frames.encode_obs(1, _rows([0, 1], np.array([[0, 0, 0], [1, np.nan, 1]], np.float32))),
+        "INVALID_ARGUMENT",
+        "rows.obs: row 1 contains NaN or Inf",
+    ),
+    (
+        "env id past num_envs",
+        _settings() + frames.encode_obs(1, _rows([3, 4])),
+        "INVALID_ARGUMENT",
+        "rows.env_ids: ids must be in [0, num_envs=4), got 4",
+    ),
+    (
+        "duplicate env id",
+        _settings() + frames.encode_obs(1, _rows([1, 0, 1])),
+        "INVALID_ARGUMENT",
+        "rows.env_ids: duplicate env id",
+    ),
+    (
+        "wrong obs size",
+        _settings() + frames.encode_obs(1, _rows([0], np.zeros((1, 5), np.float32))),
+        "INVALID_ARGUMENT",
+        "rows.obs: expected 3 values per row",
+    ),
+    (
+        "flag not 0/1",
+        _settings() + frames.encode_obs(1, _rows([0], flags=np.array([[2, 0, 0]], np.uint8))),
+        "INVALID_ARGUMENT",
+        "rows.flags",
+    ),
+    (
+        "frame over max_message_bytes",
+        _settings() + frames.LENGTH.pack(5000),
+        "RESOURCE_EXHAUSTED",
+        "frame: 5000 bytes, more than the server's max_message_bytes (4096)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("bad", "code", "message"), [c[1:] for c in _CASES], ids=[c[0] for c in _CASES])
+def test_bad_frames_get_their_status_and_other_streams_are_served(
+    tmp_path: Path, bad: bytes, code: str, message: str
+) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, max_message_bytes=4096) as server:
+            good = await _open(path)
+            await _ask(good, [0, 1])
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(bad)
+            got_code, details = await _refusal(reader)
+            assert got_code == code
+            assert message in details
+            await _ask(good, [2, 3])  # the other local stream is still served...
+            answer = await act_once(f"127.0.0.1:{server.port}", _GOOD.obs)  # ...and gRPC's
+            np.testing.assert_array_equal(answer.actions, _GOOD.obs[:, :ACT])
+            assert server.servicer.rejected_invalid == 1
+
+    run(main())
+
+
+def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Path) -> None:
+    """The transition store sees a local stream's steps as it sees the Act RPC's."""
+
+    async def stats(local: bool) -> dict[str, int]:
+        path = str(tmp_path / "act.sock")
+        cfg = TransitionConfig(segment_steps=2)
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, learner=cfg) as server:
+            obs = _rows([0, 1]).obs
+            if local:
+                stream = await _open(path, _settings(num_envs=2))
+                for _ in range(5):
+                    await _ask(stream, [0, 1])
+            else:
+                from edgerl.robot_client.client import EdgeClient
+
+                async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                    s = await client.open_stream(session_id="local-test", num_envs=2, obs_shape=(OBS,))
+                    for _ in range(5):
+                        await s.send([0, 1], obs, np.ones(2), [False] * 2, [False] * 2)
+                        await s.recv()
+            return server.servicer._transition_stats()
+
+    async def main() -> None:
+        over_grpc, over_local = await stats(False), await stats(True)
+        assert over_local["transitions"] > 0
+        assert over_local == over_grpc
+
+    run(main())
+
+
+def test_shutdown_answers_what_is_in_flight_then_closes_and_removes_the_socket(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT, delay_s=0.3), local_socket=path) as server:
+            reader, writer = await _open(path)
+            writer.write(frames.encode_obs(1, _rows([0, 1])))
+            await asyncio.sleep(0.1)  # in the forward pass
+            stopping = asyncio.ensure_future(server.stop(grace_s=1.0))
+            assert (await _read(reader))[:1] == frames.ANSWER  # the in-flight rows were answered
+            await stopping
+            assert await reader.read() == b""
+            assert not os.path.exists(path)
+            with pytest.raises(OSError):
+                await asyncio.open_unix_connection(path)
+
+    run(main())
+
+
+def test_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+            os.link(path, tmp_path / "stale.sock")  # a socket file no server listens on
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=str(tmp_path / "stale.sock")):
+            await _ask(await _open(str(tmp_path / "stale.sock")), [0])
+        (tmp_path / "file").write_text("not a socket")
+        with pytest.raises(OSError, match=r"file: exists and is not a socket"):
+            async with running_server(EchoPolicy(OBS, ACT), local_socket=str(tmp_path / "file")):
+                pass
+        assert (tmp_path / "file").read_text() == "not a socket"
+
+    run(main())
+
+
+def test_check_rows_reads_ids_out_of_order() -> None:
+    spec = StreamSpec("s", "", num_envs=6, max_inflight=6)
+    obs = check_rows(_rows([5, 0, 3]), spec, (OBS,), max_rows=8)
+    assert obs.shape == (3, OBS)
+    for ids, message in (([5, 0, 5], "duplicate env id"), ([2, -1], r"\[0, num_envs=6\), got -1")):
+        with pytest.raises(InvalidRequestError, match=message):
+            check_rows(_rows(ids), spec, (OBS,), max_rows=8)
+    with pytest.raises(InvalidRequestError, match="need 1 to 2 env ids"):
+        check_rows(_rows([0, 1, 2]), spec, (OBS,), max_rows=2)
+
+
+# -- a sim worker over the local socket: real MuJoCo envs ----------------------------------------
+PENDULUM = "InvertedPendulum-v5"
+
+
+def _pendulum_backend(version: int = 0) -> TorchPolicyBackend:
+    spec = env_spec(PENDULUM)
+    policy = build_policy("mlp", spec.obs_shape[0], spec.act_low.size, seed=0)
+    return TorchPolicyBackend(policy, spec.act_low, spec.act_high, version=version)
+
+
+def _worker(path: str, **more: Any) -> SimWorker:
+    cfg = SimWorkerConfig(server="", env_name=PENDULUM, num_envs=8, groups=2, local_socket=path, **more)
+    return SimWorker(cfg)
+
+
+def test_sim_worker_steps_real_envs_over_the_local_socket(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(_pendulum_backend(version=3), local_socket=path) as server:
+            worker = _worker(path, max_steps=2000)
+            try:
+                progress = await worker.run()
+            finally:
+                worker.close()
+            assert progress.steps >= 2000
+            assert progress.last_policy_version == 3
+            assert len(progress.episode_returns) > 0  # the random policy drops the pendulum
+            stats = server.batcher.stats
+            assert stats.rows >= 2000 and stats.max_batch_rows == 4  # one group of 4 per request
+            assert server.servicer.rejected_invalid == 0
+
+    run(main())
+
+
+def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "act.sock")
+    worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
+    stop = threading.Event()
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["progress"] = worker.run_blocking(stop.is_set)
+        except Exception as exc:  # reported below
+            result["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        time.sleep(0.5)  # no server yet: the worker retries
+        assert worker.progress.steps == 0
+        with ServerThread(_pendulum_backend(), local_socket=path) as server:
+            _wait_for(lambda: worker.progress.steps > 500)
+            server.kill()
+            time.sleep(0.3)
+            before = worker.progress.steps
+            server.restart()
+            _wait_for(lambda: worker.progress.steps > before + 500)
+    finally:
+        stop.set()
+        thread.join(30)
+        worker.close()
+    assert "error" not in result, result
+    assert result["progress"].reconnects >= 2  # before the server came, and at the restart
+
+
+def _wait_for(condition: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sim_worker_fails_on_a_refusal_and_on_a_late_answer(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path):
+            worker = _worker(path)  # the pendulum's 4 observations, not the server's 3
+            try:
+                with pytest.raises(errors.InvalidArgumentError, match=r"hello\.obs_shape"):
+                    await worker.run()
+            finally:
+                worker.close()
+        async with running_server(EchoPolicy(4, 1, delay_s=1.5), local_socket=path):
+            worker = _worker(path, timeout_s=0.3)
+            try:
+                with pytest.raises(errors.DeadlineExceededError, match=r"no answer within 0\.3s"):
+                    await worker.run()
+            finally:
+                worker.close()
+
+    run(main())
+
+
+def test_local_socket_and_network_process_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="local_socket and network_process exclude each other"):
+        SimWorkerConfig(server="", local_socket="/tmp/x.sock", network_process=True)
