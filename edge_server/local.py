@@ -7,8 +7,10 @@ the frames of :mod:`edgerl.robot_client.netproc` (settings first, then one
 in order). Behind the socket everything is the same as behind the Act RPC:
 the one dynamic batcher, the same checks with the same status codes, the
 transition store and the policy version on every answer. What goes is
-HTTP/2, protobuf and gRPC's threads, whose work per message costs as much as
-a forward pass of a small policy on both ends.
+HTTP/2, protobuf and gRPC's threads. With ``mlp-large`` (64 envs in two
+groups, server and worker on a CPU each) the worker's core spent 2.52-2.62 ms
+per 64-step cycle instead of 3.0-3.06 (its envs alone ~2.45) and the
+server's 2.93-3.13 ms instead of 3.09-3.2.
 
 A refused stream gets a ``D`` frame (the gRPC status name, a newline, the
 message naming the field) and the socket is closed; the other streams keep
