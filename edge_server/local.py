@@ -2,7 +2,8 @@
 
 A sim worker on the edge server's own machine can skip gRPC: it connects to a
 Unix socket of the server (``edgerl serve --local-socket PATH``) and speaks
-the frames of :mod:`edgerl.robot_client.netproc` (settings first, then one
+the frames of :mod:`edgerl.proto.frames`, as to a network process of its own
+(settings first, then one
 ``O`` frame of observation rows per env group; one ``A`` frame answers each,
 in order). Behind the socket everything is the same as behind the Act RPC:
 the one dynamic batcher, the same checks with the same status codes, the
@@ -25,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import struct
 from collections import deque
 from dataclasses import dataclass
@@ -103,8 +105,6 @@ class LocalActServer:
 
 
 def _is_socket(path: str) -> bool:
-    import stat
-
     return stat.S_ISSOCK(os.lstat(path).st_mode)
 
 
@@ -224,7 +224,7 @@ class _LocalStream(asyncio.Protocol):
                 num_envs=int(settings["num_envs"]),
                 obs_shape=[int(d) for d in settings["obs_shape"]],
                 env_name=str(settings.get("env_name", "")),
-                max_inflight=int(settings["num_envs"]),
+                max_inflight=int(settings["num_envs"]),  # as a network process declares
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(
@@ -277,7 +277,7 @@ class _LocalStream(asyncio.Protocol):
             self._transport.close()  # after what was written
 
     def abort(self) -> None:
-        """Close the stream now (the server is stopping)."""
+        """Close the stream once what is written has gone (the server is stopping)."""
         if self._transport is not None:
             self._transport.close()
 

@@ -543,7 +543,7 @@ def _serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
+def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -> SimWorkerConfig:
     return SimWorkerConfig(
         server=server,
         env_name=a.env,
@@ -555,7 +555,7 @@ def _worker_config(a: argparse.Namespace, server: str) -> SimWorkerConfig:
         security=client_security(a) if hasattr(a, "tls_ca") else None,
         network_process=a.network_process,
         network_cpus=tuple(sorted(other_cpus(_worker_cpus(a)) or ())) if a.network_process else (),
-        local_socket=getattr(a, "local_socket", ""),
+        local_socket=local_socket,
     )
 
 
@@ -563,9 +563,12 @@ def _worker_cpus(a: argparse.Namespace) -> list[int]:
     return kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")
 
 
-def _fleet(a: argparse.Namespace, server: str) -> WorkerFleet:
+def _fleet(a: argparse.Namespace, server: str, local_socket: str = "") -> WorkerFleet:
     return WorkerFleet(
-        _worker_config(a, server), a.workers, log_level=a.log_level, worker_cpus=_worker_cpus(a)
+        _worker_config(a, server, local_socket),
+        a.workers,
+        log_level=a.log_level,
+        worker_cpus=_worker_cpus(a),
     )
 
 
@@ -574,7 +577,7 @@ def _sim(a: argparse.Namespace) -> int:
 
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
-    with _fleet(a, a.server) as fleet:
+    with _fleet(a, a.server, a.local_socket) as fleet:
         summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
     return _report(summary, None)
 
@@ -596,8 +599,7 @@ def _rollout(a: argparse.Namespace) -> int:
             f"over {via}",
             flush=True,
         )
-        a.local_socket = local
-        with _fleet(a, server.address) as fleet:
+        with _fleet(a, server.address, local) as fleet:
             summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
         summary["server"] = server_stats(server.address)
     return _report(summary, a.json)

@@ -171,8 +171,9 @@ class SimWorker:
     async def run(self, should_stop: Callable[[], bool] = lambda: False) -> WorkerProgress:
         """Step the envs until ``should_stop()`` or ``max_steps``; returns the progress.
 
-        With ``network_process`` this runs :meth:`run_blocking` (in a thread, so that the
-        event loop stays free); a worker process of its own calls that directly.
+        With ``network_process`` or ``local_socket`` this runs :meth:`run_blocking` (in a
+        thread, so that the event loop stays free); a worker process of its own calls that
+        directly.
 
         Raises:
             ServerUnavailableError: no working stream for ``give_up_after_s``.
@@ -253,11 +254,13 @@ class SimWorker:
     def run_blocking(
         self, should_stop: Callable[[], bool] = lambda: False, report: Callable[[], None] = lambda: None
     ) -> WorkerProgress:
-        """:meth:`run` with the stream in a network process (``network_process``), on this thread.
+        """:meth:`run` with the stream in a network process (``network_process``) or over the
+        server's local Act socket (``local_socket``), on this thread.
 
-        ``report`` is called about every 0.2 s. The network process keeps the stream open and
-        reconnects with backoff; every stream it opens, the worker sends each group's latest
-        observations again (what was in flight on a failed stream is never answered).
+        ``report`` is called about every 0.2 s. The network process (or the socket's end,
+        :class:`_LocalEnd`) keeps the stream open and reconnects with backoff; every stream it
+        opens, the worker sends each group's latest observations again (what was in flight on a
+        failed stream is never answered).
 
         Raises:
             ServerUnavailableError: no working stream for ``give_up_after_s``.
@@ -384,7 +387,8 @@ class _LocalEnd:
     It gives :meth:`SimWorker.run_blocking` the frames a network process would: ``U`` with a
     new epoch for every connection the server accepted, ``D`` for every one that failed (or
     could not be made: UNAVAILABLE, retried with backoff), ``A`` for each group's actions.
-    An answer later than ``timeout_s`` fails the stream with DEADLINE_EXCEEDED.
+    An answer, or the server's acceptance of a new connection, later than ``timeout_s`` fails
+    the stream with DEADLINE_EXCEEDED.
     """
 
     def __init__(self, path: str, settings: StreamSettings) -> None:
@@ -398,6 +402,7 @@ class _LocalEnd:
         self._in = bytearray()
         self._frames: deque[bytes] = deque()
         self._sent: deque[float] = deque()  # when each unanswered group's rows went out
+        self._connected_at = 0.0
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
         if self._sock is None or not self._up or epoch != self._epoch:
@@ -432,13 +437,19 @@ class _LocalEnd:
             self._epoch += 1
             self._lost(f"cannot reach the local socket {self._path}: {exc}")
             return
-        self._sock, self._up = sock, False
+        self._sock, self._up, self._connected_at = sock, False, time.monotonic()
         self._epoch += 1
         self._in.clear()
 
     def _read(self, timeout_s: float) -> None:
         assert self._sock is not None
-        deadline = self._sent[0] + self._settings.timeout_s if self._sent else None
+        if self._sent:
+            since: float | None = self._sent[0]
+        elif not self._up:
+            since = self._connected_at  # the server has not accepted the settings yet
+        else:
+            since = None
+        deadline = None if since is None else since + self._settings.timeout_s
         wait = timeout_s if deadline is None else max(0.0, min(timeout_s, deadline - time.monotonic()))
         ready, _, _ = select.select([self._sock], [], [], wait)
         if not ready:
@@ -457,7 +468,8 @@ class _LocalEnd:
         for payload in frames.split_frames(self._in):
             kind = payload[:1]
             if kind == frames.ANSWER:
-                self._sent.popleft()
+                if self._sent:
+                    self._sent.popleft()
                 self._frames.append(payload)
             elif kind == frames.UP:
                 self._up, self._backoff = True, self._settings.backoff_initial_s

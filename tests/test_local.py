@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 import threading
 import time
@@ -371,6 +372,19 @@ def test_sim_worker_fails_on_a_refusal_and_on_a_late_answer(tmp_path: Path) -> N
                 worker.close()
 
     run(main())
+
+
+def test_sim_worker_gives_up_on_a_socket_that_never_accepts_its_settings(tmp_path: Path) -> None:
+    path = str(tmp_path / "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind(path)
+        mute.listen()  # connections wait in the backlog: nothing ever answers
+        worker = _worker(path, timeout_s=0.3)
+        try:
+            with pytest.raises(errors.DeadlineExceededError, match=r"no answer within 0\.3s"):
+                worker.run_blocking()
+        finally:
+            worker.close()
 
 
 def test_local_socket_and_network_process_exclude_each_other() -> None:
