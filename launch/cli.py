@@ -139,6 +139,10 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
     _add_worker_placement(p)
 
 
+def _add_local_socket(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("--local-socket", default="", metavar="PATH", help=help_text)
+
+
 def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> None:
     """``--network-process`` and ``--worker-cpus``; with ``chosen`` (``bench throughput``) they
     default to None: chosen from the first in-process run (``bench_throughput.choose_placement``)."""
@@ -236,12 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
     p.add_argument("--tokens", default="", help="TOML file of caller tokens; every call then needs one")
-    p.add_argument(
-        "--local-socket",
-        default="",
-        metavar="PATH",
-        help="also serve the Act stream without gRPC on this Unix socket, to sim workers on this "
-        "machine (edgerl sim --local-socket PATH); empty: none",
+    _add_local_socket(
+        p,
+        "also serve the Act stream without gRPC on this Unix socket, to sim workers on this machine "
+        "(edgerl sim --local-socket PATH); empty: none",
     )
     _add_common(p)
 
@@ -252,12 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start sim worker processes that stream to an edge server.",
     )
     p.add_argument("--server", default="", help="edge server address, host:port (or --local-socket)")
-    p.add_argument(
-        "--local-socket",
-        default="",
-        metavar="PATH",
-        help="stream over the local Act socket of a server on this machine (its --local-socket) "
-        "instead of gRPC to --server",
+    _add_local_socket(
+        p,
+        "stream over the local Act socket of a server on this machine (its --local-socket) instead "
+        "of gRPC to --server",
     )
     _add_env(p, envs=32)
     _add_workers(p, workers=1)
