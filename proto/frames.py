@@ -18,6 +18,10 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   (``i64``), the action shape of one row (``u8`` count, ``u32`` each), then the
   actions (``f32``) and log-probabilities (``f32``). Answers come in the order
   of the rows sent, so the client matches them by position.
+
+A network process numbers its streams (epochs) itself. The local Act socket
+keeps no epochs: its ``U`` and ``D`` frames carry 0, and each ``A`` frame the
+epoch of the ``O`` frame it answers.
 """
 
 from __future__ import annotations
