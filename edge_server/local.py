@@ -38,12 +38,10 @@ import numpy as np
 from edgerl.edge_server.batcher import (
     BatcherClosedError,
     BatchResult,
-    QueueFullError,
     StreamSlots,
-    TooManyInflightError,
 )
-from edgerl.edge_server.service import EdgePolicyServicer
-from edgerl.edge_server.transitions import EnvBusyError, StreamHandle
+from edgerl.edge_server.service import STEP_REFUSALS, EdgePolicyServicer, answer_failure, step_refusal
+from edgerl.edge_server.transitions import StreamHandle
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_rows
 from edgerl.proto import frames
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -55,7 +53,8 @@ log = logging.getLogger(__name__)
 class _Pending:
     epoch: int
     future: asyncio.Future[BatchResult]
-    ids: np.ndarray
+    ids: np.ndarray | None
+    """The env ids as the transition store takes them; None where the server collects none."""
 
 
 class LocalActServer:
@@ -138,19 +137,11 @@ class _LocalStream(asyncio.Protocol):
                 self._on_frame(payload)
             if len(buffer) >= frames.LENGTH.size:  # refuse a frame too large before it is read
                 self._check_size(frames.LENGTH.unpack_from(buffer)[0])
-        except InvalidRequestError as exc:
-            self._servicer.rejected_invalid += 1
-            self._refuse(exc.code, exc.message)
-        except EnvBusyError as exc:
-            self._servicer.rejected_invalid += 1
-            self._refuse(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except TooManyInflightError as exc:
-            self._servicer.rejected_invalid += 1
-            self._refuse(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except QueueFullError as exc:
-            self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except BatcherClosedError as exc:
-            self._refuse(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except STEP_REFUSALS as exc:
+            code, message, invalid = step_refusal(exc)
+            if invalid:
+                self._servicer.rejected_invalid += 1
+            self._refuse(code, message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
@@ -201,18 +192,22 @@ class _LocalStream(asyncio.Protocol):
             ) from None
         servicer = self._servicer
         obs = check_rows(rows, self._spec, servicer.obs_shape, servicer.limits.max_batch_size)
-        ids = rows.env_ids.astype(np.int64)
-        flags = rows.flags.astype(bool)
-        future = servicer.submit_step(
-            self._slots,
-            self._handle,
-            ids,
-            obs,
-            rewards=rows.rewards,
-            terminated=flags[:, 0],
-            truncated=flags[:, 1],
-            fallback=flags[:, 2],
-        )
+        ids = None
+        if self._handle is None:
+            future = servicer.batcher.submit(obs, self._slots)
+        else:
+            ids = rows.env_ids.astype(np.int64)
+            flags = rows.flags.astype(bool)
+            future = servicer.submit_step(
+                self._slots,
+                self._handle,
+                ids,
+                obs,
+                rewards=rows.rewards,
+                terminated=flags[:, 0],
+                truncated=flags[:, 1],
+                fallback=flags[:, 2],
+            )
         self._pending.append(_Pending(epoch, future, ids))
         future.add_done_callback(self._answer_ready)
 
@@ -245,19 +240,18 @@ class _LocalStream(asyncio.Protocol):
 
     def _answer_ready(self, _: asyncio.Future[BatchResult]) -> None:
         """Answer every request at the front whose actions are in, in order."""
-        pending, store = self._pending, self._servicer.store
+        pending, store, handle = self._pending, self._servicer.store, self._handle
         while pending and pending[0].future.done():
             p = pending.popleft()
             if p.future.cancelled():
                 continue
             error = p.future.exception()
             if error is not None:
-                code, message = _failure(error)
-                self._refuse(code, message)
+                self._refuse(*answer_failure(error))
                 return
             res = p.future.result()
-            if store is not None and self._handle is not None:
-                store.record(self._handle, p.ids, res)
+            if store is not None and handle is not None and p.ids is not None:
+                store.record(handle, p.ids, res)
             self._write(frames.encode_answer(p.epoch, res.policy_version, res.actions, res.log_probs))
 
     # -- output ----------------------------------------------------------------------------------
@@ -280,12 +274,3 @@ class _LocalStream(asyncio.Protocol):
         """Close the stream once what is written has gone (the server is stopping)."""
         if self._transport is not None:
             self._transport.close()
-
-
-def _failure(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message that end a stream whose request failed with ``error``."""
-    if isinstance(error, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
-    if isinstance(error, BatcherClosedError):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
-    return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {error}"

@@ -67,6 +67,30 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
     )
 
 
+#: What a stream's step can be refused with, before it reaches the batcher (see step_refusal).
+STEP_REFUSALS = (InvalidRequestError, EnvBusyError, TooManyInflightError, QueueFullError, BatcherClosedError)
+
+
+def step_refusal(exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
+    """How a refused step (one of :data:`STEP_REFUSALS`) ends its stream: the status, the
+    message, and whether it counts as invalid input (``Stats.rejected_invalid``)."""
+    if isinstance(exc, InvalidRequestError):
+        return exc.code, exc.message, True
+    if isinstance(exc, (EnvBusyError, TooManyInflightError)):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), True
+    code, message = answer_failure(exc)
+    return code, message, False
+
+
+def answer_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message that end a stream whose request failed with ``exc``."""
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, BatcherClosedError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}"
+
+
 class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     """Validates client messages, feeds the batcher, answers in request order."""
 
@@ -113,14 +137,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     return
                 try:
                     res = await item.future
-                except QueueFullError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                    return
-                except BatcherClosedError as exc:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-                    return
                 except Exception as exc:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}")
+                    await context.abort(*answer_failure(exc))
                     return
                 if store is not None and item.handle is not None and item.ids is not None:
                     store.record(item.handle, item.ids, res)
@@ -191,20 +209,13 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 out.put_nowait(_Pending(seq, env_ids, future, handle, ids))
                 seq += 1
             out.put_nowait(_END)
-        except InvalidRequestError as exc:
-            self.rejected_invalid += 1
-            log.warning("stream %s rejected: %s", spec.session_id if spec else "?", exc.message)
-            out.put_nowait(_Abort(exc.code, exc.message))
-        except EnvBusyError as exc:
-            self.rejected_invalid += 1
-            out.put_nowait(_Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)))
-        except QueueFullError as exc:
-            out.put_nowait(_Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
-        except TooManyInflightError as exc:
-            self.rejected_invalid += 1
-            out.put_nowait(_Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)))
-        except BatcherClosedError as exc:
-            out.put_nowait(_Abort(grpc.StatusCode.UNAVAILABLE, str(exc)))
+        except STEP_REFUSALS as exc:
+            code, message, invalid = step_refusal(exc)
+            if invalid:
+                self.rejected_invalid += 1
+            if isinstance(exc, InvalidRequestError):
+                log.warning("stream %s rejected: %s", spec.session_id if spec else "?", message)
+            out.put_nowait(_Abort(code, message))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
@@ -218,7 +229,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     def submit_step(
         self,
         slots: StreamSlots | None,
-        handle: StreamHandle | None,
+        handle: StreamHandle,
         ids: np.ndarray,
         obs: np.ndarray,
         *,
@@ -227,13 +238,13 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         truncated: np.ndarray,
         fallback: np.ndarray,
     ) -> asyncio.Future[BatchResult]:
-        """Hand a stream's validated step to the transition store (when it collects) and the batcher.
+        """Hand a stream's validated step to the transition store and the batcher (a server that
+        collects transitions; without, a step goes to the batcher alone).
 
         Raises what :meth:`TransitionStore.observe` and :meth:`DynamicBatcher.submit` raise.
         """
         store = self.store
-        if store is None or handle is None:
-            return self.batcher.submit(obs, slots)
+        assert store is not None  # the handle is the store's
         store.observe(
             handle, ids, obs, rewards=rewards, terminated=terminated, truncated=truncated, fallback=fallback
         )
@@ -265,13 +276,11 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         try:
             obs = check_obs(request.obs, "obs", self.obs_shape, None, self.limits.max_batch_size)
             future = self.batcher.submit(obs)
-        except InvalidRequestError as exc:
-            self.rejected_invalid += 1
-            await context.abort(exc.code, exc.message)
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except BatcherClosedError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except STEP_REFUSALS as exc:
+            code, message, invalid = step_refusal(exc)
+            if invalid:
+                self.rejected_invalid += 1
+            await context.abort(code, message)
         res = await future
         return _response(0, list(range(obs.shape[0])), res)
 

@@ -68,11 +68,15 @@ def check_obs(
         raise _invalid(f"{field}.shape: expected {[n, *obs_shape]} ({what}), got {list(obs.shape)}")
     if not 1 <= n <= max_rows:
         raise _invalid(f"{field}.shape: rows must be in [1, {max_rows}], got {n}")
+    _check_finite_rows(obs, field)
+    result: np.ndarray = obs
+    return result
+
+
+def _check_finite_rows(obs: np.ndarray, field: str) -> None:
     if not np.isfinite(obs).all():
         bad = int(np.argwhere(~np.isfinite(obs))[0][0])
         raise _invalid(f"{field}: row {bad} contains NaN or Inf")
-    result: np.ndarray = obs
-    return result
 
 
 def check_step(
@@ -123,10 +127,8 @@ def check_rows(rows: ObsRows, spec: StreamSpec, obs_shape: tuple[int, ...], max_
         raise _invalid(
             f"rows.obs: expected {size} values per row ({list(obs_shape)}), got {rows.obs.shape[1]}"
         )
+    _check_finite_rows(rows.obs, "rows.obs")
     obs = rows.obs.reshape(n, *obs_shape)
-    if not np.isfinite(obs).all():
-        bad = int(np.argwhere(~np.isfinite(obs).reshape(n, -1))[0][0])
-        raise _invalid(f"rows.obs: row {bad} contains NaN or Inf")
     if not np.isfinite(rows.rewards).all():
         raise _invalid("rows.rewards: contains NaN or Inf")
     if rows.flags.max(initial=0) > 1:

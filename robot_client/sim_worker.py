@@ -428,17 +428,16 @@ class _LocalEnd:
         if wait > 0:
             time.sleep(min(wait, timeout_s))
             return
+        self._epoch += 1  # each attempt: its D frame, or its stream's U and A frames
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self._path)
             sock.sendall(netproc.encode_settings(self._settings))
         except OSError as exc:
             sock.close()
-            self._epoch += 1
             self._lost(f"cannot reach the local socket {self._path}: {exc}")
             return
         self._sock, self._up, self._connected_at = sock, False, time.monotonic()
-        self._epoch += 1
         self._in.clear()
 
     def _read(self, timeout_s: float) -> None:
@@ -475,9 +474,7 @@ class _LocalEnd:
                 self._up, self._backoff = True, self._settings.backoff_initial_s
                 self._frames.append(frames.encode_state(frames.UP, self._epoch)[frames.LENGTH.size :])
             elif kind == frames.DOWN:
-                _, error = netproc.decode_down(payload)
-                code = error.code.name if isinstance(error, errors.RpcError) else ""
-                details = error.details if isinstance(error, errors.RpcError) else str(error)
+                _, code, details = frames.decode_failure(payload)
                 self._fail(code, details)
                 return
 
