@@ -67,8 +67,6 @@ from edgerl.watchdog.watchdog import Tick, Watchdog, WatchdogConfig
 
 log = logging.getLogger(__name__)
 
-RECV_BYTES = 1 << 16
-"""Bytes read from the network process's socket per call."""
 MAX_BACKLOG_BYTES = 8 << 20
 """Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
 RESTART_DELAY_S = 1.0
@@ -432,7 +430,7 @@ class _ProcessOutbox(_Outbox):
         self._send()
         while True:
             try:
-                data = sock.recv(RECV_BYTES)
+                data = sock.recv(frames.RECV_BYTES)
             except BlockingIOError:
                 break
             except OSError:
@@ -441,7 +439,7 @@ class _ProcessOutbox(_Outbox):
                 self._lost()
                 return
             self._in += data
-            if len(data) < RECV_BYTES:
+            if len(data) < frames.RECV_BYTES:
                 break
         for payload in frames.split_frames(self._in):
             kind = payload[:1]

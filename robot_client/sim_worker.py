@@ -367,7 +367,7 @@ class _NetworkEnd:
             ready, _, _ = select.select([self._sock], [], [], timeout_s)
             if not ready:
                 return b""
-            data = self._sock.recv(1 << 20)
+            data = self._sock.recv(frames.RECV_BYTES)
             if not data:
                 code = self._proc.wait()
                 raise errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
@@ -456,7 +456,7 @@ class _LocalEnd:
                 self._fail("DEADLINE_EXCEEDED", f"no answer within {self._settings.timeout_s:g}s")
             return
         try:
-            data = self._sock.recv(1 << 20)
+            data = self._sock.recv(frames.RECV_BYTES)
         except OSError as exc:
             self._lost(f"the local socket {self._path} failed: {exc}")
             return

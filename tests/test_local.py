@@ -107,6 +107,39 @@ def test_local_stream_answers_every_frame_in_order_from_its_own_rows(tmp_path: P
     run(main())
 
 
+def test_local_stream_reassembles_frames_longer_than_one_read(tmp_path: Path) -> None:
+    rows_per_frame = 32
+    obs_size = frames.RECV_BYTES // (4 * rows_per_frame) + 50  # O frames of over 64 KiB
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(obs_size, ACT), local_socket=path) as server:
+            reader, writer = await _open(path, _settings(num_envs=64, obs_shape=[obs_size]))
+            rng = np.random.default_rng(0)
+            shape = (rows_per_frame, obs_size)
+            sent = [
+                _rows(list(range(lo, lo + rows_per_frame)), rng.standard_normal(shape, np.float32))
+                for lo in (0, rows_per_frame)
+            ]
+            data = b"".join(frames.encode_obs(3, rows) for rows in sent)
+            assert len(data) > 2 * frames.RECV_BYTES
+            writer.write(data)  # both frames at once
+            for answered in sent:
+                answer = frames.decode_answer(await _read(reader))
+                np.testing.assert_array_equal(answer.actions, answered.obs[:, :ACT])
+            for at in range(0, len(data), 10_000):  # then in pieces that end inside frames
+                writer.write(data[at : at + 10_000])
+                await writer.drain()
+                await asyncio.sleep(0.002)
+            for answered in sent:
+                answer = frames.decode_answer(await _read(reader))
+                np.testing.assert_array_equal(answer.actions, answered.obs[:, :ACT])
+            assert server.batcher.stats.rows == 4 * rows_per_frame
+            writer.close()
+
+    run(main())
+
+
 def test_local_and_grpc_streams_share_the_batcher(tmp_path: Path) -> None:
     async def main() -> None:
         backend = EchoPolicy(OBS, ACT, delay_s=0.2)
