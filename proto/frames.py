@@ -89,8 +89,13 @@ def decode_obs(payload: bytes) -> tuple[int, ObsRows]:
     return epoch, ObsRows(ids, obs, rewards, flags)
 
 
+def state_payload(kind: bytes, epoch: int) -> bytes:
+    """The payload of a ``U`` or ``D`` frame without a failure (:func:`encode_state` frames it)."""
+    return _STATE.pack(kind, epoch)
+
+
 def encode_state(kind: bytes, epoch: int) -> bytes:
-    return frame(_STATE.pack(kind, epoch))
+    return frame(state_payload(kind, epoch))
 
 
 def decode_state(payload: bytes) -> int:
@@ -98,9 +103,14 @@ def decode_state(payload: bytes) -> int:
     return epoch
 
 
+def failure_payload(epoch: int, code_name: str, details: str) -> bytes:
+    """The payload of a ``D`` frame: the stream of ``epoch`` failed with the gRPC status ``code_name``."""
+    return state_payload(DOWN, epoch) + f"{code_name}\n{details}".encode()
+
+
 def encode_failure(epoch: int, code_name: str, details: str) -> bytes:
-    """A ``D`` frame: the stream of ``epoch`` failed with the gRPC status ``code_name``."""
-    return frame(_STATE.pack(DOWN, epoch) + f"{code_name}\n{details}".encode())
+    """A ``D`` frame (:func:`failure_payload`, framed)."""
+    return frame(failure_payload(epoch, code_name, details))
 
 
 def decode_failure(payload: bytes) -> tuple[int, str, str]:

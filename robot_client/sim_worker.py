@@ -472,7 +472,7 @@ class _LocalEnd:
                 self._frames.append(payload)
             elif kind == frames.UP:
                 self._up, self._backoff = True, self._settings.backoff_initial_s
-                self._frames.append(frames.encode_state(frames.UP, self._epoch)[frames.LENGTH.size :])
+                self._frames.append(frames.state_payload(frames.UP, self._epoch))
             elif kind == frames.DOWN:
                 _, code, details = frames.decode_failure(payload)
                 self._fail(code, details)
@@ -488,7 +488,7 @@ class _LocalEnd:
             self._sock = None
         self._up = False
         self._sent.clear()
-        self._frames.append(frames.encode_failure(self._epoch, code, details)[frames.LENGTH.size :])
+        self._frames.append(frames.failure_payload(self._epoch, code, details))
         self._retry_at = time.monotonic() + self._backoff * random.uniform(0.5, 1.0)
         self._backoff = min(2 * self._backoff, self._settings.backoff_max_s)
 
