@@ -21,7 +21,8 @@ from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check
 from edgerl.models import build_policy
 from edgerl.proto import frames
 from edgerl.robot_client import errors
-from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
+from edgerl.robot_client.keeper import StreamSettings
+from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
 from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server
 
@@ -377,6 +378,44 @@ def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: P
         worker.close()
     assert "error" not in result, result
     assert result["progress"].reconnects >= 2  # before the server came, and at the restart
+
+
+def test_worker_end_reassembles_answers_longer_than_one_read(tmp_path: Path) -> None:
+    rows_per_frame = 32
+    act = frames.RECV_BYTES // (4 * rows_per_frame) + 50  # each A frame spans two reads
+    path = str(tmp_path / "act.sock")
+    settings = StreamSettings("", "local-test", 2 * rows_per_frame, (act,), 5.0, 0.05, 0.5)
+    with ServerThread(EchoPolicy(act, act), local_socket=path):
+        end = _LocalEnd(path, settings)
+        try:
+            up = _next_frame(end)
+            assert up[:1] == frames.UP
+            epoch = frames.decode_state(up)
+            rng = np.random.default_rng(0)
+            sent = [
+                _rows(
+                    list(range(lo, lo + rows_per_frame)),
+                    rng.standard_normal((rows_per_frame, act), np.float32),
+                )
+                for lo in (0, rows_per_frame)
+            ]
+            for rows in sent:  # both in flight: their answers arrive back to back
+                end.send(epoch, rows)
+            for rows in sent:
+                payload = _next_frame(end)
+                assert len(payload) > frames.RECV_BYTES
+                answer = frames.decode_answer(payload)
+                assert answer.epoch == epoch
+                np.testing.assert_array_equal(answer.actions, rows.obs)
+        finally:
+            end.close()
+
+
+def _next_frame(end: _LocalEnd, timeout_s: float = 10.0) -> bytes:
+    deadline = time.monotonic() + timeout_s
+    while not (payload := end.receive(0.1)):
+        assert time.monotonic() < deadline, "no frame"
+    return payload
 
 
 def _wait_for(condition: Any, timeout_s: float = 30.0) -> None:
