@@ -342,7 +342,7 @@ class DynamicBatcher:
     def _serve_jobs(self) -> None:
         """An inference thread: run jobs until the sentinel, answering each on the event loop."""
         self.backend.init_thread()
-        _no_wakeup_preemption()
+        no_wakeup_preemption()
         loop = self._loop
         assert loop is not None  # set by start(), before any thread exists
         while (job := self._jobs.get()) is not None:
@@ -452,9 +452,10 @@ class DynamicBatcher:
             req.slots.outstanding -= 1
 
 
-def _no_wakeup_preemption() -> None:
-    """Give the calling thread the SCHED_BATCH policy: it keeps its fair share of the CPU but
-    does not preempt the thread running when it wakes.
+def no_wakeup_preemption(tid: int = 0) -> None:
+    """Give thread ``tid`` (0: the calling thread) the SCHED_BATCH policy: it keeps its fair
+    share of the CPU but does not preempt the thread running when it wakes. Nothing happens
+    where the policy is missing (not Linux) or the thread has ended.
 
     An inference thread wakes for each batch while the event loop's thread is still handing
     out the last batch's answers and reading new requests; preempting it, the forward pass
@@ -464,5 +465,5 @@ def _no_wakeup_preemption() -> None:
     it ran full, at 7-8 % more env steps/s (2 alternated pairs), and with the next batch also
     started after the answers (see ``_start``) at 8-12 % more; over gRPC both gave 3 %.
     """
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the default policy stays
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))

@@ -26,6 +26,7 @@ from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
 from typing import Any
 
+from edgerl.edge_server.batcher import no_wakeup_preemption
 from edgerl.edge_server.server import ServerConfig
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
@@ -426,8 +427,7 @@ def yield_helper_threads(keep: int, done: set[int]) -> None:
         if tid == keep or tid in done:
             continue
         done.add(tid)
-        with contextlib.suppress(OSError):  # the thread ended since the listing
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        no_wakeup_preemption(tid)
 
 
 def _worker_main(

@@ -26,6 +26,7 @@ epoch of the ``O`` frame it answers.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -151,7 +152,7 @@ def decode_answer(payload: bytes) -> AnswerRows:
     at = _ANSWER.size
     row_shape = struct.unpack_from(f"<{ndim}I", payload, at)
     at += 4 * ndim
-    size = rows * int(np.prod(row_shape, dtype=np.int64))
+    size = rows * math.prod(row_shape)  # Python ints: no numpy call on the worker's hot path
     actions = np.frombuffer(payload, np.float32, size, at).reshape(rows, *row_shape)
     at += 4 * size
     log_probs = np.frombuffer(payload, np.float32, rows, at)

@@ -109,6 +109,7 @@ class WorkerProgress:
 class _Group:
     def __init__(self, env_name: str, ids: list[int], seed: int) -> None:
         self.ids = ids
+        self._ids32 = np.asarray(ids, np.int32)  # the ids as every O frame carries them
         self.envs, self.obs = make_vector_env(env_name, len(ids), seed)
         n = len(ids)
         self.rewards = np.zeros(n, np.float32)
@@ -124,7 +125,7 @@ class _Group:
     def rows(self) -> frames.ObsRows:
         flags = np.zeros((len(self.ids), 3), np.uint8)
         flags[:, 0], flags[:, 1] = self.terminated, self.truncated
-        return frames.ObsRows(np.asarray(self.ids, np.int32), self.obs, self.rewards, flags)
+        return frames.ObsRows(self._ids32, self.obs, self.rewards, flags)
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
         self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
@@ -268,6 +269,7 @@ class SimWorker:
         """
         cfg = self.config
         groups, progress = self._groups, self.progress
+        where = cfg.local_socket or cfg.server
         settings = StreamSettings.of(cfg, self.session_id, cfg.num_envs, self._obs_shape, cfg.env_name)
         net: _NetworkEnd | _LocalEnd = (
             _LocalEnd(cfg.local_socket, settings) if cfg.local_socket else _NetworkEnd(settings)
@@ -292,7 +294,7 @@ class SimWorker:
                     continue
                 if epoch == 0 and now - failing_since > cfg.give_up_after_s:
                     raise errors.ServerUnavailableError(
-                        f"no working stream to {cfg.server} for {cfg.give_up_after_s:.0f}s"
+                        f"no working stream to {where} for {cfg.give_up_after_s:.0f}s"
                     )
                 payload = net.receive(0.1)
                 kind = payload[:1]
@@ -319,7 +321,7 @@ class SimWorker:
                     if since_up:  # the last stream worked: count the outage from now
                         failing_since, since_up = time.monotonic(), False
                     progress.reconnects += 1
-                    log.warning("server %s unavailable (%s); reconnecting", cfg.server, error.details)
+                    log.warning("server %s unavailable (%s); reconnecting", where, error.details)
         finally:
             net.close()
             report()
