@@ -214,9 +214,9 @@ def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
     import gymnasium as gym
 
     from edgerl.robot_client.client import EdgeClient
-    from edgerl.sim.envs import quiet_mujoco_warnings
+    from edgerl.sim.envs import prepare_mujoco
 
-    quiet_mujoco_warnings()
+    prepare_mujoco()
     envs = [gym.make(cfg.env) for _ in range(cfg.envs)]
     obs = [np.asarray(e.reset(seed=cfg.seed + i)[0], np.float32) for i, e in enumerate(envs)]
 

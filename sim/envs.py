@@ -20,17 +20,27 @@ log = logging.getLogger(__name__)
 SUPPORTED_ENVS = ("HalfCheetah-v5", "Hopper-v5", "Walker2d-v5", "Ant-v5", "InvertedPendulum-v5")
 
 _QUIET_WARNINGS = ("'settotalmass' is deprecated",)
-_warning_handler_installed = False
+_USER_CALLBACKS = ("passive", "control", "contactfilter", "sensor", "act_dyn", "act_gain", "act_bias")
+_prepared = False
 
 
-def quiet_mujoco_warnings() -> None:
-    """Route MuJoCo's C-level warnings to logging and drop known-noisy ones.
+def prepare_mujoco() -> None:
+    """Set up MuJoCo for the envs of this process, once (every place edgerl builds envs calls it).
 
-    MuJoCo 4 prints a ``settotalmass`` deprecation for every HalfCheetah/Ant
-    env it compiles, which buries the output of a 64-env run.
+    - MuJoCo's C-level warnings go to logging, known-noisy ones dropped: MuJoCo 4 prints a
+      ``settotalmass`` deprecation for every HalfCheetah/Ant env it compiles, which buries the
+      output of a 64-env run.
+    - MuJoCo's stage timers are turned off. The ``mujoco`` package installs a timer callback
+      (``mjcb_time``, a ``clock_gettime`` call) that ``mj_step`` calls at the start and end of
+      every stage to fill ``MjData.timer``, which no env or edgerl reads. On the reference 2-core
+      machine that was 7.5 % of a bare ``mj_step`` loop's samples, and stepping 64 envs without
+      it took 1.11x less time (HalfCheetah-v5), 1.13x (Hopper-v5), 1.08x (Ant-v5) and 1.35x
+      (InvertedPendulum-v5). ``MjData.timer`` durations then stay 0. Where a callback of the
+      user's own is set (any ``mujoco.set_mjcb_*``), all are left as they are: MuJoCo resets
+      them together (``mj_resetCallbacks``).
     """
-    global _warning_handler_installed  # noqa: PLW0603 - process-wide C hook, installed once
-    if _warning_handler_installed:
+    global _prepared  # noqa: PLW0603 - process-wide C hooks, set once
+    if _prepared:
         return
     import mujoco
 
@@ -38,8 +48,11 @@ def quiet_mujoco_warnings() -> None:
         if not any(q in message for q in _QUIET_WARNINGS):
             log.warning("mujoco: %s", message)
 
+    # The package's own timer reads as None: get_mjcb_time reports callbacks set from Python.
+    if all(getattr(mujoco, f"get_mjcb_{name}")() is None for name in ("time", *_USER_CALLBACKS)):
+        mujoco.mj_resetCallbacks()  # every mjcb_* to NULL, the timer included; not the warning hook
     mujoco.set_mju_user_warning(_handler)
-    _warning_handler_installed = True
+    _prepared = True
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,7 @@ def env_spec(env_name: str) -> EnvSpec:
     Raises:
         ValueError: the env is unknown or its spaces are not continuous boxes.
     """
-    quiet_mujoco_warnings()
+    prepare_mujoco()
     try:
         env = gym.make(env_name)
     except gym.error.Error as exc:
@@ -97,7 +110,7 @@ class VectorEnv:
     def __init__(self, env_name: str, num_envs: int) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        quiet_mujoco_warnings()
+        prepare_mujoco()
         self.envs = [gym.make(env_name, disable_env_checker=True) for _ in range(num_envs)]
         self.num_envs = num_envs
         self._autoreset = np.zeros(num_envs, bool)

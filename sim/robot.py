@@ -15,7 +15,7 @@ import math
 import gymnasium as gym
 import numpy as np
 
-from edgerl.sim.envs import quiet_mujoco_warnings
+from edgerl.sim.envs import prepare_mujoco
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class MujocoRobot:
     def __init__(self, env: str = "HalfCheetah-v5", hz: float = 50.0, seed: int = 0, name: str = "") -> None:
         if hz <= 0:
             raise ValueError(f"hz must be > 0, got {hz}")
-        quiet_mujoco_warnings()
+        prepare_mujoco()
         probe = gym.make(env)
         timestep = float(probe.unwrapped.model.opt.timestep)  # type: ignore[attr-defined]
         probe.close()

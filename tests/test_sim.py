@@ -1,7 +1,10 @@
 """The simulated tasks: seeded, vectorised, served end to end."""
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import time
 
 import gymnasium as gym
@@ -44,6 +47,80 @@ def test_vector_env_steps_exactly_like_gymnasiums_sync_vector_env() -> None:
     assert ends >= n  # episodes ended and were autoreset along the way
     ours.close()
     ref.close()
+
+
+_TIMER_PROBE = """
+import json, sys, time
+import gymnasium as gym
+import mujoco
+from edgerl.sim.envs import prepare_mujoco
+if sys.argv[1] == "own-timer":
+    mujoco.set_mjcb_time(time.perf_counter)
+if sys.argv[1] != "raw":
+    prepare_mujoco()
+env = gym.make("HalfCheetah-v5")
+env.reset(seed=0)
+for _ in range(3):
+    env.step(env.action_space.sample())
+timer = env.unwrapped.data.timer[mujoco.mjtTimer.mjTIMER_STEP]
+print(json.dumps({"steps": timer.number, "seconds": timer.duration,
+                  "own": mujoco.get_mjcb_time() is time.perf_counter}))
+"""
+
+
+def _step_timer(case: str) -> dict[str, float]:
+    """MjData's mj_step timer after 3 steps in a fresh process (the set-up is process-wide)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMER_PROBE, case], capture_output=True, text=True, check=True, timeout=120
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_envs_step_without_mujocos_stage_timers_unless_a_callback_of_the_users_is_set() -> None:
+    raw, prepared, own = _step_timer("raw"), _step_timer("prepared"), _step_timer("own-timer")
+    # 3 env steps of HalfCheetah's frame_skip 5: 15 mj_step calls, counted in every case.
+    assert raw["steps"] == prepared["steps"] == own["steps"] == 15
+    assert raw["seconds"] > 0  # the mujoco package's own timer, on by default
+    assert prepared["seconds"] == 0.0  # turned off by prepare_mujoco
+    assert own["seconds"] > 0 and own["own"]  # a callback of the user's: nothing reset
+
+
+def test_a_worker_group_counts_episodes_as_gymnasium_plays_them() -> None:
+    """Returns and lengths of the episodes a sim worker reports, against the same envs stepped one
+    by one with gymnasium (the step after an episode ends resets the env and is no part of one)."""
+    from edgerl.robot_client.sim_worker import WorkerProgress, _Group
+
+    n, steps, seed = 3, 120, 5
+    group, progress = _Group("InvertedPendulum-v5", list(range(n)), seed), WorkerProgress()
+    envs = [gym.make("InvertedPendulum-v5") for _ in range(n)]
+    for i, env in enumerate(envs):
+        env.reset(seed=seed + i)
+    actions = np.random.default_rng(1).uniform(-3, 3, (steps, n, 1)).astype(np.float32)
+    want_returns: list[float] = []
+    want_lengths: list[int] = []
+    ret, length, resetting = [0.0] * n, [0] * n, [False] * n
+    for t in range(steps):
+        group.step(actions[t], progress)
+        for i, env in enumerate(envs):
+            if resetting[i]:
+                env.reset()
+                resetting[i] = False
+                continue
+            _, reward, terminated, truncated, _ = env.step(actions[t, i])
+            ret[i] += float(np.float32(reward))
+            length[i] += 1
+            if terminated or truncated:
+                want_returns.append(ret[i])
+                want_lengths.append(length[i])
+                ret[i], length[i], resetting[i] = 0.0, 0, True
+    assert len(want_returns) > 2 * n  # random pushes drop the pendulum: many episodes ended
+    assert progress.episode_lengths == want_lengths
+    np.testing.assert_allclose(progress.episode_returns, want_returns, rtol=1e-6)
+    assert progress.steps == n * steps
+    group.close()
+    for env in envs:
+        env.close()
 
 
 def test_unknown_env_is_a_clear_error() -> None:
