@@ -129,9 +129,10 @@ class _Group:
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
         self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
-        live = ~self.resetting  # NEXT_STEP autoreset: a reset step is no part of an episode
-        self.ep_return[live] += self.rewards[live]
-        self.ep_length[live] += 1
+        # NEXT_STEP autoreset: a reset step is no part of an episode. It reports reward 0, so
+        # only its length needs the mask.
+        self.ep_return += self.rewards
+        self.ep_length += ~self.resetting
         done = self.terminated | self.truncated
         if done.any():
             progress.episode_returns.extend(self.ep_return[done].tolist())
