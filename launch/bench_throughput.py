@@ -127,9 +127,9 @@ NETWORK_PROCESS_BELOW = 0.25
 """Inference cheaper than this share of env stepping: the sim worker's core is the bottleneck."""
 REPLICAS_ABOVE = 3.0
 """Inference costlier than this multiple of env stepping: a policy replica per CPU. Well above the
-``mlp-large`` preset, whose cost is about that of env stepping (0.88-0.98 of it at 1024 wide before
-its weights were padded, 0.90-0.96 at 1152 wide now) and in some noisy first runs came out above
-it: those chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x with
+``mlp-large`` preset, whose cost is about that of env stepping (0.92-0.94 of it: see
+:data:`edgerl.models.mlp.POLICY_PRESETS`) and in some noisy first runs came out above it: those
+chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x with
 ``--replicas 2 --worker-cpus off`` given); well below the ``llm`` policy's ~12x."""
 MAX_CHOSEN_REPLICAS = 4
 """Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
@@ -146,7 +146,7 @@ def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, 
       bottleneck, its gRPC client included: a network process takes that off the worker, which
       keeps a CPU of its own (1.016x the in-process loop, against 0.85x unplaced and 0.79x
       with the CPU alone);
-    - inference about as costly as env stepping (``mlp-large``: 0.88-0.98; 0.90-0.96 now) makes
+    - inference about as costly as env stepping (``mlp-large``: 0.88-0.98 when measured) makes
       the server's core the busier one, which a network process would share: the worker keeps a
       CPU of its own (1.32x, against 1.27x unplaced and 0.98x with a network process too);
     - inference far costlier than env stepping (``llm``: ~12x) needs every CPU for the engine, and
