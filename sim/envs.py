@@ -33,8 +33,8 @@ def prepare_mujoco() -> None:
     - MuJoCo's stage timers are turned off. The ``mujoco`` package installs a timer callback
       (``mjcb_time``, a ``clock_gettime`` call) that ``mj_step`` calls at the start and end of
       every stage to fill ``MjData.timer``, which no env or edgerl reads. On the reference 2-core
-      machine that was 7.5 % of a bare ``mj_step`` loop's samples, and stepping 64 envs without
-      it took 1.11x less time (HalfCheetah-v5), 1.13x (Hopper-v5), 1.08x (Ant-v5) and 1.35x
+      machine that was 7.5 % of a bare ``mj_step`` loop's samples, and 64 envs stepped 1.11x
+      faster without it (HalfCheetah-v5), 1.13x (Hopper-v5), 1.08x (Ant-v5) and 1.35x
       (InvertedPendulum-v5). ``MjData.timer`` durations then stay 0. Where a callback of the
       user's own is set (any ``mujoco.set_mjcb_*``), all are left as they are: MuJoCo resets
       them together (``mj_resetCallbacks``).
