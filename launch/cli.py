@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -586,13 +587,14 @@ def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
     policy = PolicySpec.from_options(a, replicas=a.replicas)
-    sock_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-")
-    local = os.path.join(sock_dir.name, "act.sock") if a.transport == "local" else ""
+    # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
+    local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None
+    local = os.path.join(local_dir.name, "act.sock") if local_dir else ""
     cfg = ServerConfig(
         port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us, local_socket=local
     )
     server = ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a)))
-    with sock_dir, server:
+    with local_dir or contextlib.nullcontext(), server:
         via = f"its local socket {local}" if local else "gRPC"
         print(
             f"edgerl: edge server on {server.address}; {a.workers} worker(s), {a.envs} envs of {a.env} "

@@ -13,14 +13,17 @@ from edgerl.launch.train import RunConfig
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
 
-def _edgerl(args: str, json_path: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``edgerl ARGS --json PATH`` to completion; fails the test on a non-zero exit."""
+def _edgerl(args: str, json_path: Path, tmpdir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``edgerl ARGS --json PATH`` to completion (with ``TMPDIR`` when given); fails the test
+    on a non-zero exit."""
+    env = {**os.environ, "TMPDIR": str(tmpdir)} if tmpdir else None
     return subprocess.run(
         [*EDGERL, *args.split(), "--json", str(json_path)],
         check=True,
         timeout=300,
         capture_output=True,
         text=True,
+        env=env,
     )
 
 
@@ -111,8 +114,12 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
 def test_rollout_over_the_local_socket(tmp_path: Path) -> None:
     path = tmp_path / "rollout.json"
     args = "rollout --env InvertedPendulum-v5 --envs 8 --workers 1 --seconds 3 --transport local"
-    out = _edgerl(args, path)
-    assert "over its local socket" in out.stdout
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = _edgerl(args, path, tmpdir=tmp)
+    sock = next(word for word in out.stdout.split() if word.endswith("act.sock"))
+    assert sock.startswith(f"{tmp}/edgerl-rollout-")  # a folder of its own for the socket
+    assert not any(tmp.iterdir())  # removed at the end
     summary = json.loads(path.read_text())
     assert summary["env_steps"] > 1000
     assert summary["server"]["rows"] >= summary["env_steps"] - 8  # every step's actions came from it
