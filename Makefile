@@ -68,7 +68,7 @@ bench: $(STAMP)
 	$(BIN)/edgerl bench throughput --env HalfCheetah-v5 --envs 64 --policy mlp --repeats 3 --json bench-results/throughput-mlp.json
 	$(BIN)/edgerl bench throughput --env HalfCheetah-v5 --envs 64 --policy mlp-large --repeats 3 --json bench-results/throughput-mlp-large.json
 
-## The learning figures of the README (about 10 minutes per env on two cores).
+## The learning figures of the README (about 5 minutes per env on two cores).
 bench-learn: $(STAMP)
 	$(BIN)/edgerl bench learn --env HalfCheetah-v5 --seeds 3 --json bench-results/learn-HalfCheetah-v5.json
 	$(BIN)/edgerl bench learn --env Hopper-v5 --seeds 3 --json bench-results/learn-Hopper-v5.json

@@ -150,11 +150,11 @@ class RobotRunnerConfig:
     runs behind after a stall, instead of only in its idle time. On two cores shared with the
     edge server (``edgerl bench robot``, the server and the network process kept off the last
     CPU), in a noisy spell: 1.2-3.3 % fallbacks against 5.4-12.6 % with the stream on the
-    control thread, but 1.4-2.7x the skipped ticks (README, Robots). Off by default."""
+    control thread, but 1.4-2.7x the skipped ticks (docs/performance-log.md, Robots). Off by default."""
     network_cpus: tuple[int, ...] = ()
     """CPUs the network process runs on; empty: any. Leave the control thread a CPU of its own:
     on two cores shared with the edge server, the control thread, the network process and the
-    server otherwise take turns on both, and the ticks ran later (README, Robots)."""
+    server otherwise take turns on both, and the ticks ran later (docs/performance-log.md, Robots)."""
     robots_per_slot: int = 8
     """Robots of one host ticked back to back, their observations sent in one message.
 
