@@ -15,7 +15,12 @@ from typing import Any, TypeVar
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch import robot as robot_cli
-from edgerl.launch.bench_throughput import write_json
+from edgerl.launch.bench_throughput import (
+    MAX_CHOSEN_REPLICAS,
+    NETWORK_PROCESS_BELOW,
+    REPLICAS_ABOVE,
+    write_json,
+)
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
@@ -47,13 +52,16 @@ def config_from_args(cls: type[_C], a: argparse.Namespace, **overrides: Any) -> 
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """States each option's default (not for required ones) with room for long metavars."""
+    """States each option's default with room for long metavars: not for required options, and
+    in words where the help already does (``--model``'s empty default is a small random Llama)."""
 
     def __init__(self, prog: str) -> None:
         super().__init__(prog, max_help_position=48)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.required else super()._get_help_string(action)
+        if action.required or "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 _FMT = _Formatter
@@ -147,17 +155,17 @@ def _add_local_socket(p: argparse.ArgumentParser, help_text: str) -> None:
 def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> None:
     """``--network-process`` and ``--worker-cpus``; with ``chosen`` (``bench throughput``) they
     default to None: chosen from the first in-process run (``bench_throughput.choose_placement``)."""
-    chooses = (
-        "; None: chosen with --worker-cpus from the first in-process run (on where inference costs "
-        "under a quarter of env stepping)"
-    )
     p.add_argument(
         "--network-process",
         action=argparse.BooleanOptionalAction if chosen else "store_true",
         default=None if chosen else False,
         help="each sim worker runs its Act stream in a network process of its own: the worker's "
         "core only steps envs (worth it where that core is the bottleneck and another has room)"
-        + (chooses if chosen else ""),
+        + (
+            f"; unset: on where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping"
+            if chosen
+            else ""
+        ),
     )
     p.add_argument(
         "--worker-cpus",
@@ -166,8 +174,7 @@ def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> N
         "worker, if some are left for the server and the network processes, which run on the others; "
         '"off": no pinning'
         + (
-            "; None: chosen with --network-process from the first in-process run (auto unless "
-            "inference costs more than env stepping)"
+            f"; unset: auto, or off where inference costs over {REPLICAS_ABOVE:g}x env stepping"
             if chosen
             else ""
         ),
@@ -184,8 +191,8 @@ def _add_replicas(p: argparse.ArgumentParser, chosen: bool = False) -> None:
         help="copies of the policy in the server, each in a process of its own, taking batches side "
         "by side (worth it where one copy cannot use every core: a vLLM engine steps on one)"
         + (
-            "; 0: chosen from the first in-process run (one per CPU, up to 4, where inference costs "
-            "more than env stepping, else 1)"
+            f"; 0: one per CPU (up to {MAX_CHOSEN_REPLICAS}) where inference costs over "
+            f"{REPLICAS_ABOVE:g}x env stepping, else 1"
             if chosen
             else ""
         ),
@@ -296,8 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput",
         formatter_class=_FMT,
         help="env steps/s: in-process vs unary RPC vs streaming edge server",
-        description="Env steps/s of sync_inprocess, sync_unary and async_stream side by "
-        "side in one run (same env, policy and env count).",
+        description="Env steps/s of sync_inprocess, sync_unary, async_stream (gRPC) and async_local "
+        "(the local Act socket) side by side in one run (same env, policy and env count). The "
+        "placement options left unset (--network-process, --worker-cpus, --replicas) are chosen "
+        "from how the first in-process run's time splits between env stepping and inference.",
     )
     _add_env(p, envs=64)
     _add_policy(p)

@@ -28,7 +28,17 @@ def _edgerl(args: str, json_path: Path, tmpdir: Path | None = None) -> subproces
 
 
 @pytest.mark.parametrize(
-    "command", [["serve"], ["sim"], ["rollout"], ["train"], ["bench", "throughput"], ["bench", "learn"]]
+    "command",
+    [
+        ["serve"],
+        ["sim"],
+        ["rollout"],
+        ["train"],
+        ["robot"],
+        ["bench", "throughput"],
+        ["bench", "learn"],
+        ["bench", "robot"],
+    ],
 )
 def test_help_explains_every_option_with_its_default(command: list[str]) -> None:
     env = {**os.environ, "COLUMNS": "400"}  # one line per option
@@ -39,7 +49,7 @@ def test_help_explains_every_option_with_its_default(command: list[str]) -> None
         option = line.split()[0]
         if option in ("--help", "--server"):  # --server is required: no default
             continue
-        assert "(default: " in line, f"{option} does not state its default"
+        assert line.count("(default: ") == 1, f"{option} states its default {line.count('(default: ')} times"
         assert len(line.split("  ", 1)[-1]) > 20, f"{option} has no explanation"
 
 
