@@ -19,11 +19,9 @@ from torch import nn
 #: ``mlp-large`` is sized so that serving 64 observations costs about as much as stepping
 #: 64 HalfCheetah envs on one core: ``bench throughput``'s in-process loop spent 0.92-0.94 of
 #: its env time in inference at 1040 wide on the reference 2-core machine (2 runs; 1024 wide:
-#: 0.90-0.92, 1056: 0.94-0.97). Each speed-up of either side moved it out of that band and the
-#: width with it: 1152 wide gave 0.90-0.96 until MuJoCo's stage timers were turned off
-#: (``edgerl.sim.envs.prepare_mujoco``), then 1.07-1.09; 1024 wide gave 0.88-0.98 until the served
-#: weights were padded (``edgerl.edge_server.policy``), then 0.75-0.81; 768 wide fell to 0.37 when
-#: the served forward pass was laid out for small batches.
+#: 0.90-0.92, 1056: 0.94-0.97). A speed-up of either side moves it out of that band: re-measure
+#: and re-size after one (the widths before, 768, 1024 and 1152, and why each moved:
+#: docs/performance-log.md).
 POLICY_PRESETS: dict[str, tuple[int, ...]] = {
     "mlp-small": (64, 64),
     "mlp": (256, 256),
