@@ -154,7 +154,7 @@ class RobotRunnerConfig:
     network_cpus: tuple[int, ...] = ()
     """CPUs the network process runs on; empty: any. Leave the control thread a CPU of its own:
     on two cores shared with the edge server, the control thread, the network process and the
-    server otherwise take turns on both, and the ticks ran later (docs/performance-log.md, Robots)."""
+    server otherwise take turns on both, and the ticks ran later (README, Robot path)."""
     robots_per_slot: int = 8
     """Robots of one host ticked back to back, their observations sent in one message.
 
