@@ -27,6 +27,8 @@ epoch of the ``O`` frame it answers.
 from __future__ import annotations
 
 import math
+import select
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -171,3 +173,21 @@ def split_frames(buffer: bytearray) -> list[bytes]:
         at += LENGTH.size + n
     del buffer[:at]
     return frames
+
+
+def read_frames(sock: socket.socket, buffer: bytearray, timeout_s: float) -> list[bytes] | None:
+    """Wait up to ``timeout_s`` for ``sock`` (blocking) to be readable, read what came into
+    ``buffer`` and take the complete frames off it: ``[]`` if none is complete yet, ``None``
+    if the peer closed the socket.
+
+    Raises:
+        OSError: reading the socket failed.
+    """
+    ready, _, _ = select.select([sock], [], [], timeout_s)
+    if not ready:
+        return []
+    data = sock.recv(RECV_BYTES)
+    if not data:
+        return None
+    buffer += data
+    return split_frames(buffer)

@@ -19,7 +19,6 @@ import itertools
 import logging
 import os
 import random
-import select
 import socket
 import time
 from collections import deque
@@ -367,18 +366,12 @@ class _NetworkEnd:
             EdgeRLError: the network process ended.
         """
         if not self._frames:
-            ready, _, _ = select.select([self._sock], [], [], timeout_s)
-            if not ready:
-                return b""
-            data = self._sock.recv(frames.RECV_BYTES)
-            if not data:
+            got = frames.read_frames(self._sock, self._in, timeout_s)
+            if got is None:
                 code = self._proc.wait()
                 raise errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
-            self._in += data
-            self._frames.extend(frames.split_frames(self._in))
-            if not self._frames:
-                return b""
-        return self._frames.popleft()
+            self._frames.extend(got)
+        return self._frames.popleft() if self._frames else b""
 
     def close(self) -> None:
         netproc.stop(self._sock, self._proc)
@@ -453,21 +446,18 @@ class _LocalEnd:
             since = None
         deadline = None if since is None else since + self._settings.timeout_s
         wait = timeout_s if deadline is None else max(0.0, min(timeout_s, deadline - time.monotonic()))
-        ready, _, _ = select.select([self._sock], [], [], wait)
-        if not ready:
-            if deadline is not None and time.monotonic() >= deadline:
-                self._fail("DEADLINE_EXCEEDED", f"no answer within {self._settings.timeout_s:g}s")
-            return
         try:
-            data = self._sock.recv(frames.RECV_BYTES)
+            got = frames.read_frames(self._sock, self._in, wait)
         except OSError as exc:
             self._lost(f"the local socket {self._path} failed: {exc}")
             return
-        if not data:
+        if got is None:
             self._lost(f"the server closed the local socket {self._path}")
             return
-        self._in += data
-        for payload in frames.split_frames(self._in):
+        if not got and deadline is not None and time.monotonic() >= deadline:
+            self._fail("DEADLINE_EXCEEDED", f"no answer within {self._settings.timeout_s:g}s")
+            return
+        for payload in got:
             kind = payload[:1]
             if kind == frames.ANSWER:
                 if self._sent:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 
 import numpy as np
@@ -57,6 +58,25 @@ def test_split_frames_keeps_a_partial_frame_for_later() -> None:
         if i < len(data) // 2 - 1:
             assert seen == []
     assert seen == [(frames.UP, 1), (frames.DOWN, 2)] and buffer == bytearray()
+
+
+def test_read_frames_waits_keeps_partial_frames_and_sees_the_peer_close() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        buffer = bytearray()
+        start = time.monotonic()
+        assert frames.read_frames(ours, buffer, 0.2) == []  # nothing came
+        assert time.monotonic() - start >= 0.19
+        data = frames.encode_state(frames.UP, 5) + frames.encode_state(frames.DOWN, 6)
+        theirs.sendall(data[:-2])  # the second frame arrives in two parts
+        got = frames.read_frames(ours, buffer, 1.0)
+        assert got is not None and [(p[:1], frames.decode_state(p)) for p in got] == [(frames.UP, 5)]
+        assert len(buffer) == len(frames.encode_state(frames.DOWN, 6)) - 2
+        theirs.sendall(data[-2:])
+        got = frames.read_frames(ours, buffer, 1.0)
+        assert got is not None and [frames.decode_state(p) for p in got] == [6] and not buffer
+        theirs.close()
+        assert frames.read_frames(ours, buffer, 1.0) is None
 
 
 def test_stream_settings_round_trip_security() -> None:
