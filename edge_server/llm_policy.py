@@ -245,13 +245,14 @@ class VLLMPolicyBackend(PolicyBackend):
         return sub.future.result()
 
     def close(self) -> None:
-        """Finish the running batches, then stop the engine thread (it takes no more)."""
+        """Finish the running batches, stop the engine thread (it takes no more) and remove the
+        folder that published weights are written to, also after the engine thread died."""
         with self._inbox_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._inbox.put(None)
+            if not self._closed:
+                self._closed = True
+                self._inbox.put(None)
         self._engine_thread.join()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
 
     def _put(self, work: _Work) -> None:
         with self._inbox_lock:

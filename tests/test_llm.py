@@ -228,6 +228,7 @@ def test_a_bfloat16_engine_serves_action_tokens_and_takes_float32_weights(model_
         assert (res.actions >= HIGH - (HIGH - LOW) / 256).mean() > 0.1  # the swapped-in head acts
     finally:
         backend.close()
+    assert not backend._weights_dir.exists()  # the published weights go with the backend
 
 
 def test_model_must_be_a_local_folder(tmp_path: Path) -> None:
@@ -308,7 +309,9 @@ def test_an_engine_thread_that_dies_fails_its_callers_instead_of_hanging(
     assert not backend._engine_thread.is_alive()
     with pytest.raises(RuntimeError, match=r"closed.*engine thread died"):
         backend.infer(_obs(1, 14))
+    assert backend._weights_dir.exists()
     backend.close()  # nothing left to stop: returns at once
+    assert not backend._weights_dir.exists()  # the weights folder goes also after the thread died
 
 
 def _block_processor(rows: int, vocab: int) -> TokenBlockLogitsProcessor:
