@@ -70,8 +70,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Any:
     backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, instruction="balance", seed=0)
-    with ServerThread(backend, learner=TransitionConfig()) as srv:
-        yield srv
+    try:
+        with ServerThread(backend, learner=TransitionConfig()) as srv:
+            yield srv
+    finally:  # the server stops; the backend (its engine thread, its weights folder) is ours
+        backend.close()
 
 
 def _recompute(model: Any, codec: ObsActionCodec, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:
