@@ -92,13 +92,14 @@ class LocalActServer:
             self._server.close()
 
     async def close(self) -> None:
-        """Close every stream and remove the socket."""
+        """Close every stream and remove the socket (none if this server did not bind it)."""
         self.stop_accepting()
         for stream in list(self.streams):
             stream.abort()
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        if self._server is None:
+            return
+        await self._server.wait_closed()
+        self._server = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

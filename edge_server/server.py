@@ -99,6 +99,10 @@ def package_version() -> str:
         return "0+unknown"
 
 
+class BindError(OSError):
+    """The edge server could not bind its port or its local Act socket; nothing was served."""
+
+
 class EdgeServer:
     """A running edge server: EdgePolicy, health and reflection on one port."""
 
@@ -160,7 +164,12 @@ class EdgeServer:
         return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
 
     async def start(self) -> int:
-        """Bind, start serving, return the bound port."""
+        """Bind, start serving, return the bound port.
+
+        Raises:
+            BindError: the port or the local Act socket could not be bound; the server then
+                holds neither and its inference threads are stopped.
+        """
         cfg = self.config
         if cfg.host not in LOOPBACK_HOSTS and not cfg.tls:
             log.warning(
@@ -186,17 +195,18 @@ class EdgeServer:
             (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             server,
         )
-        host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
-        bind = f"{host}:{cfg.port}"
-        if cfg.tls:
-            creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-            self.port = server.add_secure_port(bind, creds)
-        else:
-            self.port = server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"could not bind {host}:{cfg.port}")
-        if self.local is not None:
-            await self.local.start()  # before serving: a path that cannot be bound stops the start
+        try:
+            if self.local is not None:
+                try:  # before the port: a gRPC server that never started cannot release its port
+                    await self.local.start()
+                except OSError as exc:
+                    raise BindError(f"could not bind the local Act socket: {exc}") from exc
+            self.port = self._bind(server)
+        except BaseException:  # nothing is served: release the socket and the inference threads
+            if self.local is not None:
+                await self.local.close()
+            await self.batcher.close()
+            raise
         await server.start()
         self._server = server
         for name in ("", *services):
@@ -208,6 +218,27 @@ class EdgeServer:
             self.backend.version,
         )
         return self.port
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        """Bind ``server`` to the configured host and port; returns the port.
+
+        Raises:
+            BindError: the port is taken, or the host is not an address of this machine.
+        """
+        cfg = self.config
+        host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
+        bind = f"{host}:{cfg.port}"
+        creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None
+        try:
+            port = int(server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind))
+        except RuntimeError:  # how grpcio reports an address it could not bind
+            port = 0
+        if port == 0:
+            raise BindError(
+                f"could not bind {bind}: the port is in use (--port 0 picks a free one), "
+                f"or {cfg.host} is not an address of this machine (--host)"
+            )
+        return port
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown: in-flight batches finish, new requests get UNAVAILABLE."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,14 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from edgerl.edge_server.policy import TorchPolicyBackend
-from edgerl.edge_server.server import SERVICE_NAME, EdgeServer, ServerConfig
+from edgerl.edge_server.server import SERVICE_NAME, BindError, EdgeServer, ServerConfig
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.sim.envs import env_spec, make_vector_env
-from tests.helpers import EchoPolicy, run, running_server
+from tests.helpers import EchoPolicy, act_once, run, running_server
 
 ENV = "HalfCheetah-v5"
 OBS, ACT = 17, 6
@@ -362,3 +364,41 @@ def test_the_inference_thread_keeps_the_torch_thread_count_of_the_backend() -> N
         assert backend.seen and set(backend.seen) == {1}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_port_or_socket_that_cannot_be_bound_is_a_bind_error_and_the_server_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """grpcio reports a taken port as a bare RuntimeError; the server names the address and
+    what to do, stops the inference threads it started, and the server on the port serves on."""
+
+    def infer_threads() -> int:
+        return sum(t.name.startswith("edgerl-infer") for t in threading.enumerate())
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT)) as first:
+            threads = infer_threads()
+            second = EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=first.port))
+            with pytest.raises(
+                BindError, match=rf"could not bind 127\.0\.0\.1:{first.port}: the port is in use"
+            ):
+                await second.start()
+            assert infer_threads() == threads  # the second server's are stopped
+            await second.stop()  # nothing to stop: returns at once
+            not_a_socket = tmp_path / "plain-file"
+            not_a_socket.write_text("the user's")
+            third = EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=0, local_socket=str(not_a_socket)))
+            with pytest.raises(BindError, match=r"local Act socket: .*exists and is not a socket"):
+                await third.start()
+            assert not_a_socket.read_text() == "the user's"  # left as it was
+            # a socket bound before the port fails is removed again
+            sock = tmp_path / "act.sock"
+            fourth = EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=first.port, local_socket=str(sock)))
+            with pytest.raises(BindError, match="the port is in use"):
+                await fourth.start()
+            assert not sock.exists()
+            assert infer_threads() == threads
+            answer = await act_once(first.address, np.ones((2, OBS), np.float32))
+            np.testing.assert_array_equal(answer.actions, np.ones((2, ACT), np.float32))
+
+    run(main())
