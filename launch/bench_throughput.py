@@ -211,13 +211,10 @@ def run_sync_inprocess(cfg: ThroughputConfig) -> tuple[float, float, float]:
 
 
 def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
-    import gymnasium as gym
-
     from edgerl.robot_client.client import EdgeClient
-    from edgerl.sim.envs import prepare_mujoco
+    from edgerl.sim.envs import make_env
 
-    prepare_mujoco()
-    envs = [gym.make(cfg.env) for _ in range(cfg.envs)]
+    envs = [make_env(cfg.env) for _ in range(cfg.envs)]
     obs = [np.asarray(e.reset(seed=cfg.seed + i)[0], np.float32) for i, e in enumerate(envs)]
 
     async def main() -> float:
@@ -272,8 +269,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
         s0, t0 = fleet.total_steps(), time.perf_counter()
         time.sleep(cfg.seconds)
         s1, t1 = fleet.total_steps(), time.perf_counter()
-        if fleet.failed():
-            raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+        fleet.check()
     return float(s1 - s0) / (t1 - t0)
 
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from edgerl.edge_server.server import ServerConfig
+from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.launch import robot as robot_cli
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
@@ -24,8 +24,11 @@ from edgerl.launch.bench_throughput import (
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
+    USER_ERRORS,
     PolicySpec,
     ServerProcess,
+    ServerStartError,
+    WorkerError,
     WorkerFleet,
     configure_logging,
     kept_cpus,
@@ -710,9 +713,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _BENCHES[args.bench] if args.command == "bench" else _COMMANDS[args.command]
     try:
         return command(args)
-    except (ValueError, KeyError, FileNotFoundError) as exc:  # bad option values or config files
+    except USER_ERRORS as exc:  # bad option values or config files
         print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
+    except (BindError, ServerStartError, WorkerError) as exc:  # a server or worker failed, as it said
+        print(f"edgerl: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.batcher import no_wakeup_preemption
-from edgerl.edge_server.server import ServerConfig
+from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -277,7 +278,21 @@ def _server_main(
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, (*USER_ERRORS, BindError)):
+            sys.exit(1)  # a bad option or address: the parent reports it; a traceback adds nothing
         raise
+
+
+#: What a bad option value or config file raises; the command line reports it in one line.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError)
+
+
+class ServerStartError(RuntimeError):
+    """The edge server process did not start; the message is its own error."""
+
+
+class WorkerError(RuntimeError):
+    """A sim worker process ended with an error; the message holds what it said."""
 
 
 class ServerProcess:
@@ -346,7 +361,7 @@ class ServerProcess:
         msg = self._ready.recv()
         if (what == "standby" and msg != "standby") or (what == "port" and not isinstance(msg, int)):
             self.stop()
-            raise RuntimeError(f"edge server failed to start: {msg}")
+            raise ServerStartError(f"edge server failed to start: {msg}")
         return msg
 
     def _wait_bound(self) -> str:
@@ -431,6 +446,30 @@ def yield_helper_threads(keep: int, done: set[int]) -> None:
 
 
 def _worker_main(
+    config: SimWorkerConfig,
+    steps: Synchronized[int],
+    episodes: Any,
+    stop: Any,
+    log_level: str,
+    *,
+    errors: Any = None,
+) -> None:
+    """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) as text
+    for the fleet to report; an error of the user's (a bad option, a refusal by the server)
+    ends it without a traceback."""
+    from edgerl.robot_client.errors import EdgeRLError
+
+    try:
+        _run_worker(config, steps, episodes, stop, log_level)
+    except Exception as exc:
+        if errors is not None:
+            errors.put(f"{config.session_id}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, (*USER_ERRORS, EdgeRLError)):
+            sys.exit(1)
+        raise
+
+
+def _run_worker(
     config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str
 ) -> None:
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
@@ -502,6 +541,7 @@ class WorkerFleet:
         self.worker_cpus = tuple(worker_cpus)
         self._stop = _CTX.Event()
         self._episodes: Any = _CTX.Queue()
+        self._errors: Any = _CTX.SimpleQueue()  # what failed workers said, one line each
         self._steps: list[Synchronized[int]] = []
         self._procs: list[Any] = []
         self.episode_returns: list[float] = []
@@ -524,6 +564,7 @@ class WorkerFleet:
             proc = _CTX.Process(
                 target=_worker_main,
                 args=(wcfg, steps, self._episodes, self._stop, self.log_level),
+                kwargs={"errors": self._errors},
                 name=f"edgerl-sim-{i}",
                 daemon=True,
             )
@@ -545,6 +586,16 @@ class WorkerFleet:
     def failed(self) -> list[int]:
         """Exit codes of workers that ended with an error."""
         return [p.exitcode for p in self._procs if p.exitcode not in (None, 0)]
+
+    def check(self) -> None:
+        """Raise :class:`WorkerError` if a worker ended with an error, with what it said."""
+        codes = self.failed()
+        if not codes:
+            return
+        said = []
+        while not self._errors.empty():
+            said.append(self._errors.get())
+        raise WorkerError(f"sim worker exited with codes {codes}" + "".join(f"; {s}" for s in said))
 
     def poll_episodes(self) -> list[tuple[float, int]]:
         """Episodes finished since the last call, as (return, length)."""
@@ -573,8 +624,7 @@ class WorkerFleet:
         deadline = time.monotonic() + timeout_s
         started = all if every else any
         while not started(s.value > 0 for s in self._steps):
-            if self.failed():
-                raise RuntimeError(f"sim worker exited with codes {self.failed()}")
+            self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"sim workers did not start within {timeout_s}s")
             time.sleep(0.05)

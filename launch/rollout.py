@@ -34,8 +34,7 @@ def watch(fleet: WorkerFleet, *, seconds: float, steps: int, desc: str) -> dict[
                     episodes=len(fleet.episode_returns),
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
                 )
-                if fleet.failed():
-                    raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+                fleet.check()
                 if (
                     (seconds > 0 and now - t0 >= seconds)
                     or (steps > 0 and done - s0 >= steps)

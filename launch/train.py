@@ -301,8 +301,7 @@ def run_training(
 
             def on_update(scalars: dict[str, float]) -> None:
                 fleet.poll_episodes()
-                if fleet.failed():
-                    raise RuntimeError(f"sim worker exited with codes {fleet.failed()}")
+                fleet.check()
                 bar.update(trainer.state.env_steps - bar.n)
                 recent = fleet.episode_returns[-20:]
                 bar.set_postfix(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -68,17 +69,26 @@ class EnvSpec:
     obs_high: np.ndarray
 
 
+def make_env(env_name: str, **kwargs: Any) -> gym.Env[Any, Any]:
+    """``gym.make(env_name, **kwargs)`` with MuJoCo prepared.
+
+    Raises:
+        ValueError: gymnasium refused the env (an unknown id, say), named in the message.
+    """
+    prepare_mujoco()
+    try:
+        return gym.make(env_name, **kwargs)
+    except gym.error.Error as exc:
+        raise ValueError(f"env {env_name!r}: {exc}") from exc
+
+
 def env_spec(env_name: str) -> EnvSpec:
     """Build one env, read its spaces, close it.
 
     Raises:
         ValueError: the env is unknown or its spaces are not continuous boxes.
     """
-    prepare_mujoco()
-    try:
-        env = gym.make(env_name)
-    except gym.error.Error as exc:
-        raise ValueError(f"env {env_name!r}: {exc}") from exc
+    env = make_env(env_name)
     try:
         obs_space, act_space = env.observation_space, env.action_space
         if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, gym.spaces.Box):
@@ -110,8 +120,7 @@ class VectorEnv:
     def __init__(self, env_name: str, num_envs: int) -> None:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
-        prepare_mujoco()
-        self.envs = [gym.make(env_name, disable_env_checker=True) for _ in range(num_envs)]
+        self.envs = [make_env(env_name, disable_env_checker=True) for _ in range(num_envs)]
         self.num_envs = num_envs
         self._autoreset = np.zeros(num_envs, bool)
 

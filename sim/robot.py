@@ -15,7 +15,7 @@ import math
 import gymnasium as gym
 import numpy as np
 
-from edgerl.sim.envs import prepare_mujoco
+from edgerl.sim.envs import make_env
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,7 @@ class MujocoRobot:
     def __init__(self, env: str = "HalfCheetah-v5", hz: float = 50.0, seed: int = 0, name: str = "") -> None:
         if hz <= 0:
             raise ValueError(f"hz must be > 0, got {hz}")
-        prepare_mujoco()
-        probe = gym.make(env)
+        probe = make_env(env)
         timestep = float(probe.unwrapped.model.opt.timestep)  # type: ignore[attr-defined]
         probe.close()
         frame_skip = max(1, round(1.0 / (hz * timestep)))
@@ -55,7 +54,7 @@ class MujocoRobot:
             )  # fmt: skip
         # The env checker and order-enforcing wrappers cost more per step than the
         # physics of a small robot; step the raw env and keep the time limit here.
-        wrapped = gym.make(env, frame_skip=frame_skip, disable_env_checker=True)
+        wrapped = make_env(env, frame_skip=frame_skip, disable_env_checker=True)
         self.env = wrapped
         self._raw = wrapped.unwrapped
         spec = wrapped.spec

@@ -2,13 +2,18 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.train import RunConfig
+from edgerl.models import build_policy
+from edgerl.sim.envs import env_spec
+from tests.helpers import ServerThread
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -133,6 +138,38 @@ def test_rollout_over_the_local_socket(tmp_path: Path) -> None:
     summary = json.loads(path.read_text())
     assert summary["env_steps"] > 1000
     assert summary["server"]["rows"] >= summary["env_steps"] - 8  # every step's actions came from it
+
+
+def _failed(*args: str) -> str:
+    """Run ``edgerl ARGS``, expecting a server or worker that failed (exit status 1) to be
+    reported in one line; that line."""
+    out = subprocess.run([*EDGERL, *args], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stderr.splitlines()[-1]
+
+
+def test_a_taken_port_is_a_one_line_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _failed("serve", "--port", str(port))
+    assert line.startswith(f"edgerl: error: could not bind 127.0.0.1:{port}: the port is in use"), line
+
+
+def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
+    line = _failed("rollout", "--env", "NoSuchEnv-v0", "--envs", "2")
+    assert line.startswith("edgerl: error: edge server failed to start: ValueError: env 'NoSuchEnv-v0'"), line
+    line = _failed("sim", "--server", "127.0.0.1:1", "--env", "NoSuchEnv-v0", "--envs", "2")
+    assert line.startswith("edgerl: error: sim worker exited with codes [1]; sim/worker-0: ValueError"), line
+    assert "env 'NoSuchEnv-v0'" in line
+    # the server refuses the worker (its envs are not the served ones): the refusal is the reason
+    spec = env_spec("HalfCheetah-v5")
+    backend = TorchPolicyBackend(build_policy("mlp", 17, 6, seed=1), spec.act_low, spec.act_high)
+    with ServerThread(backend) as server:
+        line = _failed("sim", "--server", server.address, "--env", "Hopper-v5", "--envs", "2")
+    assert line.endswith("the server serves observations of shape (17,), Hopper-v5 has (11,)"), line
 
 
 def test_sim_needs_a_server_or_a_local_socket() -> None:

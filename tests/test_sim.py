@@ -126,8 +126,11 @@ def test_a_worker_group_counts_episodes_as_gymnasium_plays_them() -> None:
 
 
 def test_unknown_env_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="env 'NoSuchEnv-v0'"):
-        env_spec("NoSuchEnv-v0")
+    from edgerl.sim.robot import MujocoRobot
+
+    for build in (env_spec, lambda name: make_vector_env(name, 2, 0), MujocoRobot):
+        with pytest.raises(ValueError, match="env 'NoSuchEnv-v0': Environment `NoSuchEnv` doesn't exist"):
+            build("NoSuchEnv-v0")
 
 
 @pytest.mark.parametrize("env_name", SUPPORTED_ENVS)
