@@ -32,6 +32,10 @@ from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
+
+#: What a bad option value or config file raises; the command line reports it in one line.
+USER_ERRORS = (ValueError, KeyError, FileNotFoundError)
+
 _CTX = mp.get_context("spawn")
 
 
@@ -283,10 +287,6 @@ def _server_main(
         raise
 
 
-#: What a bad option value or config file raises; the command line reports it in one line.
-USER_ERRORS = (ValueError, KeyError, FileNotFoundError)
-
-
 class ServerStartError(RuntimeError):
     """The edge server process did not start; the message is its own error."""
 
@@ -452,7 +452,7 @@ def _worker_main(
     stop: Any,
     log_level: str,
     *,
-    errors: Any = None,
+    errors: Any,
 ) -> None:
     """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) as text
     for the fleet to report; an error of the user's (a bad option, a refusal by the server)
@@ -462,8 +462,7 @@ def _worker_main(
     try:
         _run_worker(config, steps, episodes, stop, log_level)
     except Exception as exc:
-        if errors is not None:
-            errors.put(f"{config.session_id}: {type(exc).__name__}: {exc}")
+        errors.put(f"{config.session_id}: {type(exc).__name__}: {exc}")
         if isinstance(exc, (*USER_ERRORS, EdgeRLError)):
             sys.exit(1)
         raise
