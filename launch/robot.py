@@ -146,14 +146,16 @@ def server_chunk(server: str, security: ClientSecurity | None, timeout_s: float 
 
     async def ask() -> int:
         async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
-            await client.wait_ready(timeout_s)
-            return (await client.describe()).action_chunk
+            return (await client.describe(wait_for_ready=True)).action_chunk
 
     try:
         return asyncio.run(ask())
-    except (errors.EdgeRLError, TimeoutError) as exc:
+    except errors.EdgeRLError as exc:
         log.warning(
-            "could not ask %s for its action chunk (%s): single-action deadline and refill", server, exc
+            "could not ask %s for its action chunk within %gs (%s): single-action deadline and refill",
+            server,
+            timeout_s,
+            exc,
         )
         return 1
 

@@ -294,17 +294,31 @@ class EdgeClient:
         except TimeoutError:
             raise errors.ServerUnavailableError(f"no server at {self.target} within {timeout}s") from None
 
-    async def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
+    async def _unary(
+        self, method: Any, request: Any, timeout_s: float | None, *, wait_for_ready: bool = False
+    ) -> Any:
         try:
             return await method(
-                request, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
+                request,
+                timeout=self.timeout_s if timeout_s is None else timeout_s,
+                metadata=self._metadata,
+                wait_for_ready=wait_for_ready,
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.from_grpc(exc) from None
 
-    async def describe(self, timeout_s: float | None = None) -> ServerInfo:
-        """Spaces, policy version and limits of the server."""
-        r = await self._unary(self._stub.Describe, pb.DescribeRequest(), timeout_s)
+    async def describe(self, timeout_s: float | None = None, *, wait_for_ready: bool = False) -> ServerInfo:
+        """Spaces, policy version and limits of the server.
+
+        ``wait_for_ready``: a server that is not up yet is waited for until the deadline
+        (:class:`~edgerl.robot_client.errors.DeadlineExceededError` after it) instead of
+        failing at once with UNAVAILABLE. Prefer it to :meth:`wait_ready` where the event loop
+        ends soon after a timeout: a connectivity watch that ``wait_ready`` gave up on is still
+        pending in gRPC, and its late completion is handed to the closed loop ("Event loop is
+        closed", grpc/grpc#26887).
+        """
+        request = pb.DescribeRequest()
+        r = await self._unary(self._stub.Describe, request, timeout_s, wait_for_ready=wait_for_ready)
         act_shape = tuple(r.action_space.shape)
         lim = r.limits
         return ServerInfo(

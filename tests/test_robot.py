@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -14,6 +15,8 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.models import build_policy
+from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.sim.robot import MujocoRobot
@@ -304,7 +307,18 @@ def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFix
     from edgerl.launch.robot import server_chunk
 
     assert server_chunk("127.0.0.1:1", None, timeout_s=0.5) == 1
-    assert "could not ask 127.0.0.1:1 for its action chunk" in caplog.text
+    assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
+
+    # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
+    # connectivity watch given up on completes later, into the closed loop)
+    async def later() -> None:
+        async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
+            with pytest.raises(errors.ServerUnavailableError):
+                await client.describe()
+        await asyncio.sleep(0.5)
+
+    asyncio.run(later())
+    assert "Event loop is closed" not in caplog.text
 
 
 def test_chunk_backend_needs_matching_output() -> None:
