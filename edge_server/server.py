@@ -99,6 +99,11 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def _host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 class BindError(OSError):
     """The edge server could not bind its port or its local Act socket; nothing was served."""
 
@@ -160,8 +165,7 @@ class EdgeServer:
 
     @property
     def address(self) -> str:
-        host = self.config.host
-        return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
+        return _host_port(self.config.host, self.port)
 
     async def start(self) -> int:
         """Bind, start serving, return the bound port.
@@ -226,8 +230,7 @@ class EdgeServer:
             BindError: the port is taken, or the host is not an address of this machine.
         """
         cfg = self.config
-        host = f"[{cfg.host}]" if ":" in cfg.host and not cfg.host.startswith("[") else cfg.host
-        bind = f"{host}:{cfg.port}"
+        bind = _host_port(cfg.host, cfg.port)
         creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None
         try:
             port = int(server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind))

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
@@ -277,13 +277,23 @@ def _server_main(
         ready.add_done_callback(lambda f: conn.send(f.result()))
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
-    try:
+    with _reported(conn.send, quiet=(*USER_ERRORS, BindError)):
         asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _reported(report: Callable[[str], object], *, quiet: tuple[type[Exception], ...]) -> Iterator[None]:
+    """Run a child process's work; an error it raises goes to the parent through ``report``, as
+    one line. One of the ``quiet`` kinds (the user's: a bad option, an address, a refusal) then
+    ends the process with status 1, as the parent reports it and a traceback adds nothing; any
+    other is raised on, its traceback printed."""
+    try:
+        yield
     except Exception as exc:
-        with contextlib.suppress(OSError):
-            conn.send(f"{type(exc).__name__}: {exc}")
-        if isinstance(exc, (*USER_ERRORS, BindError)):
-            sys.exit(1)  # a bad option or address: the parent reports it; a traceback adds nothing
+        with contextlib.suppress(OSError):  # the parent may be gone
+            report(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, quiet):
+            sys.exit(1)
         raise
 
 
@@ -454,18 +464,14 @@ def _worker_main(
     *,
     errors: Any,
 ) -> None:
-    """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) as text
-    for the fleet to report; an error of the user's (a bad option, a refusal by the server)
-    ends it without a traceback."""
+    """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) for the
+    fleet to report (see :func:`_reported`)."""
     from edgerl.robot_client.errors import EdgeRLError
 
-    try:
+    with _reported(
+        lambda line: errors.put(f"{config.session_id}: {line}"), quiet=(*USER_ERRORS, EdgeRLError)
+    ):
         _run_worker(config, steps, episodes, stop, log_level)
-    except Exception as exc:
-        errors.put(f"{config.session_id}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, (*USER_ERRORS, EdgeRLError)):
-            sys.exit(1)
-        raise
 
 
 def _run_worker(

@@ -284,6 +284,11 @@ class EdgeClient:
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until the channel connects.
 
+        A wait that times out leaves gRPC's connectivity watch pending, and its late completion
+        is handed to the event loop it was made in; if that loop has closed by then, the next
+        loop using gRPC logs "Event loop is closed" (grpc/grpc#26887). Where the loop ends
+        soon after a timeout, call the RPC with ``wait_for_ready`` instead (:meth:`describe`).
+
         Raises:
             ServerUnavailableError: not connected within the timeout.
         """
@@ -312,10 +317,7 @@ class EdgeClient:
 
         ``wait_for_ready``: a server that is not up yet is waited for until the deadline
         (:class:`~edgerl.robot_client.errors.DeadlineExceededError` after it) instead of
-        failing at once with UNAVAILABLE. Prefer it to :meth:`wait_ready` where the event loop
-        ends soon after a timeout: a connectivity watch that ``wait_ready`` gave up on is still
-        pending in gRPC, and its late completion is handed to the closed loop ("Event loop is
-        closed", grpc/grpc#26887).
+        failing at once with UNAVAILABLE; unlike :meth:`wait_ready`, it leaves nothing pending.
         """
         request = pb.DescribeRequest()
         r = await self._unary(self._stub.Describe, request, timeout_s, wait_for_ready=wait_for_ready)
