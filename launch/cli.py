@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.launch import robot as robot_cli
+from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, PORT, POSITIVE
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
     NETWORK_PROCESS_BELOW,
@@ -32,6 +34,7 @@ from edgerl.launch.processes import (
     WorkerFleet,
     configure_logging,
     kept_cpus,
+    on_stop_signals,
     other_cpus,
     server_stats,
 )
@@ -95,8 +98,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _add_env(p: argparse.ArgumentParser, envs: int) -> None:
     p.add_argument("--env", default="HalfCheetah-v5", help="gymnasium id of the envs")
-    p.add_argument("--envs", type=int, default=envs, help="number of envs in total")
-    p.add_argument("--seed", type=int, default=0, help="env i is seeded seed+i; also seeds the policy")
+    p.add_argument("--envs", type=COUNT, default=envs, help="number of envs in total")
+    p.add_argument(
+        "--seed", type=NON_NEGATIVE_INT, default=0, help="env i is seeded seed+i; also seeds the policy"
+    )
 
 
 def _add_policy(p: argparse.ArgumentParser) -> None:
@@ -110,7 +115,7 @@ def _add_policy(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="", help="local model folder of --policy llm (default: a small random Llama)"
     )
-    p.add_argument("--torch-threads", type=int, default=1, help="torch threads for inference")
+    p.add_argument("--torch-threads", type=COUNT, default=1, help="torch threads for inference")
     p.add_argument(
         "--dtype",
         default="float32",
@@ -123,13 +128,13 @@ def _add_policy(p: argparse.ArgumentParser) -> None:
 def _add_batching(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch-size",
-        type=int,
+        type=COUNT,
         default=_DEFAULT_SERVER.max_batch_size,
         help="most observation rows per forward pass",
     )
     p.add_argument(
         "--max-delay-us",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=_DEFAULT_SERVER.max_delay_us,
         help="longest the oldest queued request waits for a fuller batch (microseconds)",
     )
@@ -137,16 +142,16 @@ def _add_batching(p: argparse.ArgumentParser) -> None:
 
 def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
     p.add_argument(
-        "--workers", type=int, default=workers, help="sim worker processes (envs are split evenly)"
+        "--workers", type=COUNT, default=workers, help="sim worker processes (envs are split evenly)"
     )
     p.add_argument(
         "--groups",
-        type=int,
+        type=COUNT,
         default=2,
         help="env groups per worker with one message in flight each (2 = double-buffered)",
     )
     p.add_argument(
-        "--timeout-s", type=float, default=10.0, help="deadline for each answer from the server (s)"
+        "--timeout-s", type=POSITIVE, default=10.0, help="deadline for each answer from the server (s)"
     )
     _add_worker_placement(p)
 
@@ -189,7 +194,7 @@ def _add_replicas(p: argparse.ArgumentParser, chosen: bool = False) -> None:
     in-process run (``bench_throughput.choose_placement``)."""
     p.add_argument(
         "--replicas",
-        type=int,
+        type=NON_NEGATIVE_INT if chosen else COUNT,
         default=0 if chosen else 1,
         help="copies of the policy in the server, each in a process of its own, taking batches side "
         "by side (worth it where one copy cannot use every core: a vLLM engine steps on one)"
@@ -217,33 +222,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a policy on gRPC until SIGINT/SIGTERM (graceful shutdown).",
     )
     p.add_argument("--env", default="HalfCheetah-v5", help="gymnasium id whose spaces the policy serves")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of action sampling")
+    p.add_argument(
+        "--seed", type=NON_NEGATIVE_INT, default=0, help="seed of the initial weights and of action sampling"
+    )
     _add_policy(p)
     _add_replicas(p)
     p.add_argument("--host", default=_DEFAULT_SERVER.host, help="address to bind (loopback by default)")
-    p.add_argument("--port", type=int, default=_DEFAULT_SERVER.port, help="TCP port (0: pick a free one)")
+    p.add_argument("--port", type=PORT, default=_DEFAULT_SERVER.port, help="TCP port (0: pick a free one)")
     _add_batching(p)
     p.add_argument(
         "--max-queue-rows",
-        type=int,
+        type=COUNT,
         default=_DEFAULT_SERVER.max_queue_rows,
         help="most rows queued at once; beyond it RESOURCE_EXHAUSTED",
     )
     p.add_argument(
         "--max-message-bytes",
-        type=int,
+        type=COUNT,
         default=_DEFAULT_SERVER.max_message_bytes,
         help="largest message accepted or sent (bytes)",
     )
     p.add_argument(
         "--max-envs-per-stream",
-        type=int,
+        type=COUNT,
         default=_DEFAULT_SERVER.max_envs_per_stream,
         help="most envs one stream may declare",
     )
     p.add_argument(
         "--grace-s",
-        type=float,
+        type=NON_NEGATIVE,
         default=_DEFAULT_SERVER.grace_s,
         help="on shutdown, time in-flight work may take (s)",
     )
@@ -273,8 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env(p, envs=32)
     _add_workers(p, workers=1)
     add_client_security(p)
-    p.add_argument("--steps", type=int, default=0, help="stop after this many env steps (0: never)")
-    p.add_argument("--seconds", type=float, default=0.0, help="stop after this long (0: never)")
+    p.add_argument(
+        "--steps", type=NON_NEGATIVE_INT, default=0, help="stop after this many env steps (0: never)"
+    )
+    p.add_argument("--seconds", type=NON_NEGATIVE, default=0.0, help="stop after this long (0: never)")
     _add_common(p)
 
     p = sub.add_parser(
@@ -288,8 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replicas(p)
     _add_workers(p, workers=DEFAULT_WORKERS)
     _add_batching(p)
-    p.add_argument("--seconds", type=float, default=30.0, help="run time (0: until --steps or Ctrl-C)")
-    p.add_argument("--steps", type=int, default=0, help="stop after this many env steps (0: no limit)")
+    p.add_argument("--seconds", type=NON_NEGATIVE, default=30.0, help="run time (0: until --steps or Ctrl-C)")
+    p.add_argument(
+        "--steps", type=NON_NEGATIVE_INT, default=0, help="stop after this many env steps (0: no limit)"
+    )
     p.add_argument(
         "--transport",
         choices=["grpc", "local"],
@@ -313,15 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_env(p, envs=64)
     _add_policy(p)
-    p.add_argument("--seconds", type=float, default=10.0, help="measured time per mode and repeat (s)")
-    p.add_argument("--warmup-s", type=float, default=2.0, help="unmeasured warm-up per mode (s)")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats; medians are reported")
+    p.add_argument("--seconds", type=POSITIVE, default=10.0, help="measured time per mode and repeat (s)")
+    p.add_argument("--warmup-s", type=NON_NEGATIVE, default=2.0, help="unmeasured warm-up per mode (s)")
+    p.add_argument("--repeats", type=COUNT, default=1, help="interleaved repeats; medians are reported")
     p.add_argument(
-        "--workers", type=int, default=DEFAULT_WORKERS, help="sim worker processes in async_stream"
+        "--workers", type=COUNT, default=DEFAULT_WORKERS, help="sim worker processes in async_stream"
     )
     p.add_argument(
         "--groups",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=0,
         help="env groups per worker in async_stream (0: one per policy replica for --policy llm, "
         "whose batch of all envs costs one engine less than two halves, else 2: double-buffered)",
@@ -330,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replicas(p, chosen=True)
     p.add_argument(
         "--max-delay-us",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=_DEFAULT_SERVER.max_delay_us,
         help="edge server batching delay (microseconds)",
     )
@@ -345,15 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
         "end-to-end action latency, fallback rate and tick jitter, then kill the server for "
         "--kill-server-s and report how the robots rode through it.",
     )
-    p.add_argument("--robots", type=int, default=100, help="robots in all")
+    p.add_argument("--robots", type=COUNT, default=100, help="robots in all")
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
     _add_policy(p)
-    p.add_argument("--chunk", type=int, default=1, help="actions per policy answer (action chunks)")
+    p.add_argument("--chunk", type=COUNT, default=1, help="actions per policy answer (action chunks)")
     robot_cli.add_watchdog_arguments(p, estop_after=150, serves_policy=True)
-    p.add_argument("--processes", type=int, default=1, help="robot processes")
-    p.add_argument("--robots-per-slot", type=int, default=8, help="robots ticked back to back per process")
+    p.add_argument("--processes", type=COUNT, default=1, help="robot processes")
+    p.add_argument("--robots-per-slot", type=COUNT, default=8, help="robots ticked back to back per process")
     p.add_argument(
-        "--realtime-priority", type=int, default=0, help="SCHED_FIFO priority of the control threads (0: off)"
+        "--realtime-priority",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        help="SCHED_FIFO priority of the control threads (0: off)",
     )
     p.add_argument(
         "--control-cpu",
@@ -362,21 +376,21 @@ def build_parser() -> argparse.ArgumentParser:
         "process, if some are left for the server and the network processes, which run on the others; "
         '"off": no pinning',
     )
-    p.add_argument("--warmup-s", type=float, default=3.0, help="unmeasured warm-up (s)")
-    p.add_argument("--seconds", type=float, default=20.0, help="steady-state measurement (s)")
+    p.add_argument("--warmup-s", type=NON_NEGATIVE, default=3.0, help="unmeasured warm-up (s)")
+    p.add_argument("--seconds", type=POSITIVE, default=20.0, help="steady-state measurement (s)")
     p.add_argument(
-        "--sync-loop-s", type=float, default=5.0, help="also time a synchronous control loop (0: skip)"
+        "--sync-loop-s", type=NON_NEGATIVE, default=5.0, help="also time a synchronous control loop (0: skip)"
     )
     p.add_argument(
         "--baseline-s",
-        type=float,
+        type=NON_NEGATIVE,
         default=5.0,
         help="first time the robots in a plain loop without watchdog or gRPC: the machine's own "
         "tick jitter (0: skip)",
     )
-    p.add_argument("--kill-server-s", type=float, default=2.0, help="outage phase length (0: skip it)")
+    p.add_argument("--kill-server-s", type=NON_NEGATIVE, default=2.0, help="outage phase length (0: skip it)")
     robot_cli.add_fault_arguments(p)
-    p.add_argument("--seed", type=int, default=0, help="seeds the robots and the policy")
+    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the robots and the policy")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     _add_common(p)
 
@@ -388,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         "summarise return, steps/s, wall time and staleness; --sync adds the lockstep baseline.",
     )
     _add_train_options(p, steps_help="env steps per seed (default: 1,000,000 for MuJoCo locomotion")
-    p.add_argument("--seeds", type=int, default=3, help="seeds to run (seed, seed+1, ...)")
+    p.add_argument("--seeds", type=COUNT, default=3, help="seeds to run (seed, seed+1, ...)")
     p.add_argument(
         "--sync", action="store_true", help="also run every seed in synchronous mode, side by side"
     )
@@ -427,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("path", help="bag folder")
     q.add_argument("--out", required=True, help="output file (required)")
-    q.add_argument("--segment-steps", type=int, default=32, help="transitions per segment")
+    q.add_argument("--segment-steps", type=COUNT, default=32, help="transitions per segment")
     _add_common(q)
     q = bag.add_parser("msg", formatter_class=_FMT, help="print the edgerl_msgs/msg/Step definition")
     _add_common(q)
@@ -467,10 +481,12 @@ def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
     s = argparse.SUPPRESS  # unset flags fall through to the config file
     p.add_argument("--env", default=s, help=f"gymnasium id of the task (default: {DEMO_ENV})")
     p.add_argument(
-        "--envs", type=int, default=s, help="envs in total (default: 16, or the env's config file)"
+        "--envs", type=COUNT, default=s, help="envs in total (default: 16, or the env's config file)"
     )
-    p.add_argument("--steps", type=int, default=s, help=steps_help + ")")
-    p.add_argument("--seed", type=int, default=s, help="first seed: weights, envs, sampling (default: 0)")
+    p.add_argument("--steps", type=COUNT, default=s, help=steps_help + ")")
+    p.add_argument(
+        "--seed", type=NON_NEGATIVE_INT, default=s, help="first seed: weights, envs, sampling (default: 0)"
+    )
     p.add_argument(
         "--policy",
         default=s,
@@ -485,11 +501,11 @@ def _add_train_options(p: argparse.ArgumentParser, steps_help: str) -> None:
     )
     p.add_argument(
         "--segment-steps",
-        type=int,
+        type=COUNT,
         default=s,
         help="rollout length per env per update; batch = envs x segment steps (default: 32)",
     )
-    p.add_argument("--workers", type=int, default=s, help="sim worker processes (default: 1)")
+    p.add_argument("--workers", type=COUNT, default=s, help="sim worker processes (default: 1)")
     p.add_argument(
         "--config",
         metavar="TOML",
@@ -712,7 +728,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level)
     command = _BENCHES[args.bench] if args.command == "bench" else _COMMANDS[args.command]
     try:
-        return command(args)
+        # SIGTERM stops a command as Ctrl-C does, its servers and workers shut down cleanly
+        with on_stop_signals(signal.default_int_handler):
+            return command(args)
+    except KeyboardInterrupt:  # where the command does not finish its work on Ctrl-C
+        print("edgerl: interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as exc:  # bad option values or config files
         print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2

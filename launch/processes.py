@@ -45,6 +45,22 @@ def configure_logging(level: str = "WARNING") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Ctrl-C, and what ``kill``, ``timeout``, ``systemctl stop`` and ``docker stop`` send."""
+
+
+@contextlib.contextmanager
+def on_stop_signals(handler: Callable[[int, Any], Any]) -> Iterator[None]:
+    """Call ``handler`` on SIGINT and SIGTERM in this block (the main thread's), then restore
+    the handlers that were there: a command stopped either way stops as cleanly as on Ctrl-C."""
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def parse_cpus(spec: str, name: str) -> tuple[int, ...]:
     """``"0,2"`` -> ``(0, 2)``; ``""`` -> ``()``."""
     try:

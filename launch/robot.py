@@ -9,14 +9,14 @@ import dataclasses
 import inspect
 import json
 import logging
-import signal
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from edgerl.launch.processes import parse_cpus
+from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, PROBABILITY
+from edgerl.launch.processes import on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, load_robot, robot_class
@@ -37,11 +37,11 @@ def add_watchdog_arguments(
     default to None: :func:`~edgerl.robot_client.runner.chunk_defaults` for the chunk length of
     the policy. With ``serves_policy`` (a command that starts the server, so knows ``--chunk``
     and ``--policy``) the stream's placement defaults to a network process behind the LLM policy."""
-    p.add_argument("--hz", type=float, default=50.0, help="control rate (ticks per second)")
+    p.add_argument("--hz", type=POSITIVE, default=50.0, help="control rate (ticks per second)")
     p.add_argument("--fallback", default="hold", choices=[f.value for f in Fallback], help="fallback mode")
     p.add_argument(
         "--deadline-ms",
-        type=float,
+        type=POSITIVE,
         default=None,
         help="latency budget of a policy action (ms); None: 20, or with chunks of K > 1 actions the "
         "chunk's span, 1000 K / hz"
@@ -49,13 +49,13 @@ def add_watchdog_arguments(
     )
     p.add_argument(
         "--estop-after",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=estop_after,
         help="consecutive fallbacks that latch an e-stop (0: never)",
     )
     p.add_argument(
         "--refill-at",
-        type=int,
+        type=NON_NEGATIVE_INT,
         default=None,
         help="ask for actions when this many are left; None: 1, or with chunks of K > 1 actions, K // 2",
     )
@@ -76,9 +76,9 @@ def add_watchdog_arguments(
 
 def add_fault_arguments(p: argparse.ArgumentParser) -> None:
     """Injected link faults (``LinkFaults``)."""
-    p.add_argument("--delay-ms", type=float, default=0.0, help="inject extra latency per answer (ms)")
-    p.add_argument("--jitter-ms", type=float, default=0.0, help="inject random extra latency (ms)")
-    p.add_argument("--drop", type=float, default=0.0, help="inject a probability of losing an answer")
+    p.add_argument("--delay-ms", type=NON_NEGATIVE, default=0.0, help="inject extra latency per answer (ms)")
+    p.add_argument("--jitter-ms", type=NON_NEGATIVE, default=0.0, help="inject random extra latency (ms)")
+    p.add_argument("--drop", type=PROBABILITY, default=0.0, help="inject a probability of losing an answer")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,11 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="keyword argument of the robot class (VALUE parsed as JSON, else a string); repeatable",
     )
-    p.add_argument("--robots", type=int, default=1, help="robots run by this process (one stream)")
+    p.add_argument("--robots", type=COUNT, default=1, help="robots run by this process (one stream)")
     add_watchdog_arguments(p, estop_after=50)
     p.add_argument("--safe-pose", default="", help="comma-separated target of --fallback safe_pose")
     p.add_argument(
-        "--max-delta", type=float, default=None, help="rate limit per tick (default: 25%% of range)"
+        "--max-delta", type=POSITIVE, default=None, help="rate limit per tick (default: 25%% of range)"
     )
     p.add_argument(
         "--network-cpus",
@@ -104,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='with --network-process: its CPUs, e.g. "0" or "0,1" (default: any); leave the control '
         "thread a CPU of its own, and keep an edge server on the same machine off it too",
     )
-    p.add_argument("--seconds", type=float, default=0.0, help="run time (0: until Ctrl-C)")
+    p.add_argument("--seconds", type=NON_NEGATIVE, default=0.0, help="run time (0: until Ctrl-C)")
     add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
@@ -197,8 +197,7 @@ def _line(stats: list[dict[str, Any]]) -> str:
 def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
     stop = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
-    try:
+    with on_stop_signals(lambda *_: stop.set()):
         chunk = server_chunk(a.server, security) if a.deadline_ms is None or a.refill_at is None else 1
         cfg = dataclasses.replace(runner_config(a, chunk), security=security)
         if chunk > 1:
@@ -224,8 +223,6 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             stats = host.stats()
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
-    finally:
-        signal.signal(signal.SIGINT, previous)
     print(json.dumps({"robots": stats}, indent=2))
     if a.json:
         with open(a.json, "w") as f:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
 import statistics
 import time
 import tomllib
@@ -34,6 +33,7 @@ from edgerl.launch.processes import (
     build_mlp,
     check_dtype,
     llm_model_dir,
+    on_stop_signals,
 )
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.trainer import TrainerConfig
@@ -207,23 +207,16 @@ def _json_ready(obj: Any) -> Any:
 
 
 class _StopFlag:
-    """First Ctrl-C asks for a clean stop; a second one interrupts."""
+    """The first Ctrl-C or SIGTERM asks for a clean stop (``handle``, under
+    :func:`on_stop_signals`); a second one interrupts."""
 
     def __init__(self) -> None:
         self.set = False
-        self._previous: Any = None
 
-    def __enter__(self) -> _StopFlag:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+    def handle(self, signum: int, frame: types.FrameType | None) -> None:
         if self.set:
             raise KeyboardInterrupt
         self.set = True
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
 
 
 def run_training(
@@ -284,7 +277,8 @@ def run_training(
             timeout_s=300.0,  # steps wait for the trainer by design (backpressure, sync mode)
         )
         start_steps = trainer.state.env_steps
-        with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, _StopFlag() as stop:
+        stop = _StopFlag()
+        with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, on_stop_signals(stop.handle):
             # Any worker, not every one: the first up may fill the server's window (admission
             # control) before the others connect; they step once the trainer takes a batch.
             fleet.wait_started(every=False)

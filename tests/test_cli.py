@@ -1,10 +1,14 @@
 """The edgerl command line, run as users run it (real processes on loopback)."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,6 +78,41 @@ def _refused(*args: str) -> str:
 def test_bad_option_value_is_a_clear_error() -> None:
     stderr = _refused("rollout", "--envs", "2", "--workers", "2", "--groups", "2")
     assert "envs (2) must be >= workers x groups (2 x 2)" in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ("rollout --envs 0", "argument --envs: must be >= 1, got 0"),
+        ("rollout --workers two", "argument --workers: invalid int value: 'two'"),
+        ("rollout --seconds -1", "argument --seconds: must be >= 0, got -1"),
+        ("rollout --timeout-s 0", "argument --timeout-s: must be > 0, got 0"),
+        ("rollout --torch-threads 0", "argument --torch-threads: must be >= 1, got 0"),
+        ("sim --server 127.0.0.1:1 --steps -5", "argument --steps: must be >= 0, got -5"),
+        ("serve --port 70000", "argument --port: must be in [0, 65535], got 70000"),
+        ("serve --max-delay-us -1", "argument --max-delay-us: must be >= 0, got -1"),
+        ("bench throughput --seconds 0", "argument --seconds: must be > 0, got 0"),
+        ("bench throughput --workers 0", "argument --workers: must be >= 1, got 0"),
+        ("bench robot --robots 0", "argument --robots: must be >= 1, got 0"),
+        ("bench learn --seeds 0", "argument --seeds: must be >= 1, got 0"),
+        ("robot --hz nan", "argument --hz: must be > 0, got nan"),
+        ("robot --drop 1.5", "argument --drop: must be in [0, 1], got 1.5"),
+        ("train --envs 0", "argument --envs: must be >= 1, got 0"),
+    ],
+)
+def test_a_number_out_of_range_is_refused_naming_its_option_before_anything_starts(
+    args: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import multiprocessing
+
+    from edgerl.launch.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args.split())
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("edgerl ") and last.endswith(f": error: {error}")
+    assert multiprocessing.active_children() == []  # refused while parsing: no server, no worker
 
 
 def test_worker_cpus_are_checked_naming_the_option() -> None:
@@ -170,6 +209,75 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
     with ServerThread(backend) as server:
         line = _failed("sim", "--server", server.address, "--env", "Hopper-v5", "--envs", "2")
     assert line.endswith("the server serves observations of shape (17,), Hopper-v5 has (11,)"), line
+
+
+def _in_group(pgid: int) -> list[int]:
+    """Pids of the live processes of process group ``pgid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids
+
+
+def _terminated(args: list[str], tmp_path: Path, ready: Callable[[str, str], bool]) -> tuple[int, str]:
+    """Run ``edgerl ARGS`` in a session of its own until ``ready(stdout, stderr)``, send it SIGTERM
+    (as ``kill``, ``timeout`` and ``systemctl stop`` do), and wait; its exit status and stderr.
+    Fails the test if a process of the command is left behind."""
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([*EDGERL, *args], stdout=out, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(out_path.read_text(), err_path.read_text()):
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, "the command never got going"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while _in_group(proc.pid) and time.monotonic() < deadline:  # reaped by init, if orphaned
+            time.sleep(0.1)
+        assert _in_group(proc.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, err_path.read_text()
+
+
+def test_sigterm_stops_a_rollout_as_ctrl_c_does(tmp_path: Path) -> None:
+    path = tmp_path / "rollout.json"
+    args = ["rollout", "--env", "InvertedPendulum-v5", "--envs", "8", "--seconds", "0", "--json", str(path)]
+    code, err = _terminated(args, tmp_path, lambda out, err: "episodes=" in err)  # stepping
+    assert code == 0, err
+    summary = json.loads(path.read_text())
+    assert summary["interrupted"] is True
+    assert summary["env_steps"] > 0 and summary["server"]["rows"] > 0
+    assert "Traceback" not in err and "leaked" not in err, err  # the workers' queues were closed
+
+
+def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Path) -> None:
+    from edgerl.robot_client.bags import read_bag
+
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=0), spec.act_low, spec.act_high)
+    bag = tmp_path / "bag"
+    with ServerThread(backend) as server:
+        args = ["robot", "--server", server.address, "--robot-arg", "env=InvertedPendulum-v5",
+                "--record", str(bag), "--json", str(tmp_path / "robot.json")]  # fmt: skip
+        code, err = _terminated(args, tmp_path, lambda out, err: "edgerl robot: ticks" in out)
+    assert code == 0, err
+    assert "Traceback" not in err, err
+    ticks = json.loads((tmp_path / "robot.json").read_text())["robots"][0]["ticks"]
+    assert ticks >= 50  # at 50 Hz for the 2 s before its first report
+    assert (bag / "metadata.yaml").exists()  # written when the bag is closed
+    assert len(next(iter(read_bag(bag).values()))) == ticks  # every tick recorded
 
 
 def test_sim_needs_a_server_or_a_local_socket() -> None:

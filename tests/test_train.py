@@ -76,7 +76,8 @@ def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> No
     assert all(r["staleness/lag_max"] == 0 for r in rows)
 
 
-def test_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_everything_cleanly(stop: signal.Signals, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     out = tmp_path / "summary.json"
     cmd = [*EDGERL, "train", "--steps", "10000000", "--run-dir", str(run_dir), "--json", str(out)]
@@ -86,7 +87,7 @@ def test_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
         assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     summary = json.loads(out.read_text())

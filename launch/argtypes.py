@@ -1,0 +1,50 @@
+"""Numeric option types for the command line: a value out of range is refused as argparse
+refuses a malformed one, naming the option (``argument --envs: must be >= 1, got 0``) with exit
+status 2, before the command starts anything.
+
+The configs behind the options check their fields as well, for callers of the Python API; these
+types only make the command line's errors name the option and come before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
+
+
+def bounded(
+    kind: Callable[[str], _N], low: _N, high: _N | None = None, *, above: bool = False
+) -> Callable[[str], _N]:
+    """An argparse ``type``: a number of ``kind`` at least ``low`` (above it with ``above``) and at
+    most ``high``; NaN is refused."""
+    name = getattr(kind, "__name__", "number")
+    bound = f"> {low:g}" if above else f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+
+    def parse(text: str) -> _N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {name} value: {text!r}") from None
+        low_ok = value > low if above else value >= low
+        if not low_ok or (high is not None and not value <= high):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+COUNT = bounded(int, 1)
+"""An int >= 1: envs, workers, robots, repeats."""
+NON_NEGATIVE_INT = bounded(int, 0)
+"""An int >= 0: steps where 0 means no limit, counts where 0 means off."""
+POSITIVE = bounded(float, 0.0, above=True)
+"""A float > 0: a rate, a deadline, a measured time."""
+NON_NEGATIVE = bounded(float, 0.0)
+"""A float >= 0: a time where 0 means never or skip, an injected delay."""
+PROBABILITY = bounded(float, 0.0, 1.0)
+"""A float in [0, 1]."""
+PORT = bounded(int, 0, 65535)
+"""A TCP port; 0 picks a free one."""
