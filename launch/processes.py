@@ -287,14 +287,35 @@ def _server_main(
         server = build_server(policy, config)
         if go is not None:  # standby: built and warm, bind only when told
             server.backend.warmup()
-            conn.send("standby")
-            await asyncio.get_running_loop().run_in_executor(None, go.recv)
+            if not await _standby(conn, go):  # stopped before it was activated
+                server.backend.close()  # a vLLM engine's processes and weights folder with it
+                return
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(f.result()))
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     with _reported(conn.send, quiet=(*USER_ERRORS, BindError)):
         asyncio.run(main())
+
+
+async def _standby(conn: mp.connection.Connection, go: mp.connection.Connection) -> bool:
+    """Tell the parent through ``conn`` that this server is on standby, then wait for
+    :meth:`ServerProcess.activate` (True), or for SIGTERM or the parent's end of ``go`` closing
+    (False)."""
+    loop = asyncio.get_running_loop()
+    woken = asyncio.Event()
+    loop.add_reader(go.fileno(), woken.set)
+    loop.add_signal_handler(signal.SIGTERM, woken.set)
+    try:
+        conn.send("standby")  # once SIGTERM is handled: the parent may stop it at once
+        await woken.wait()
+    finally:
+        loop.remove_reader(go.fileno())
+        loop.remove_signal_handler(signal.SIGTERM)
+    try:
+        return bool(go.poll()) and go.recv() == "go"
+    except EOFError:  # the parent is gone, or closed its end
+        return False
 
 
 @contextlib.contextmanager
@@ -397,6 +418,7 @@ class ServerProcess:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``."""
         proc, self._proc = self._proc, None
+        self._close_go()  # a standby server then closes its backend and ends
         if proc is None:
             return
         if proc.is_alive():
@@ -410,9 +432,15 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL: the server dies as in a crash, with no graceful shutdown."""
         proc, self._proc = self._proc, None
+        self._close_go()
         if proc is not None:
             proc.kill()
             proc.join()
+
+    def _close_go(self) -> None:
+        if self._go is not None:
+            self._go.close()
+            self._go = None
 
     def __enter__(self) -> ServerProcess:
         self.start()

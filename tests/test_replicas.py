@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
-from edgerl.launch.processes import PolicySpec, build_backend, build_replica
+from edgerl.launch.processes import PolicySpec, ServerProcess, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
 from tests.helpers import ServerThread, act_once, slow_pid_echo
 
@@ -131,3 +131,28 @@ def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("how", ["stop", "sigterm"])
+def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str) -> None:
+    """The robot bench's spare server waits built and warm; stopped before it is activated (the
+    bench interrupted, or its outage cut short) it closes its backend: here the replica processes,
+    for a vLLM backend its engine and weights folder."""
+    server = ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small", replicas=2))
+    server.start(standby=True)
+    proc = server._proc
+    replicas = _children(proc.pid)
+    assert len(replicas) == 2
+    if how == "sigterm":  # from outside, as a process manager stops it
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(60)
+    server.stop()
+    assert proc.exitcode == 0  # it closed its backend and ended, not killed by the signal
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{r}").exists() for r in replicas) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r in replicas if Path(f"/proc/{r}").exists()]
