@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -269,6 +270,7 @@ class EdgeClient:
             aio=True,
         )
         self._stub = pb_grpc.EdgePolicyStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def __aenter__(self) -> EdgeClient:
         return self
@@ -282,22 +284,35 @@ class EdgeClient:
         await self._channel.close()
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until the channel connects.
+        """Wait until the server answers its health check as serving.
 
-        A wait that times out leaves gRPC's connectivity watch pending, and its late completion
-        is handed to the event loop it was made in; if that loop has closed by then, the next
-        loop using gRPC logs "Event loop is closed" (grpc/grpc#26887). Where the loop ends
-        soon after a timeout, call the RPC with ``wait_for_ready`` instead (:meth:`describe`).
+        It asks the standard health service (open without a token) with ``wait_for_ready``, so a
+        server not up yet is waited for; one that answers NOT_SERVING (shutting down) is asked
+        again every 50 ms. Unlike a wait on the channel's connectivity (``channel_ready()``), a
+        wait given up on leaves nothing pending in gRPC: such a watch completes later, into its
+        event loop, and if that loop has closed the next loop using gRPC logs "Event loop is
+        closed" (grpc/grpc#26887).
 
         Raises:
-            ServerUnavailableError: not connected within the timeout.
+            ServerUnavailableError: the server did not serve within the timeout.
+            RpcError: any other failure of the health check (named by its gRPC code).
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await self._channel.channel_ready()
-        except TimeoutError:
-            raise errors.ServerUnavailableError(f"no server at {self.target} within {timeout}s") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (left := deadline - loop.time()) > 0:
+            try:
+                answer = await self._health.Check(
+                    health_pb2.HealthCheckRequest(), timeout=left, wait_for_ready=True
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.from_grpc(exc) from None
+                break
+            if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
+        raise errors.ServerUnavailableError(f"no server at {self.target} within {timeout}s")
 
     async def _unary(
         self, method: Any, request: Any, timeout_s: float | None, *, wait_for_ready: bool = False
@@ -317,7 +332,7 @@ class EdgeClient:
 
         ``wait_for_ready``: a server that is not up yet is waited for until the deadline
         (:class:`~edgerl.robot_client.errors.DeadlineExceededError` after it) instead of
-        failing at once with UNAVAILABLE; unlike :meth:`wait_ready`, it leaves nothing pending.
+        failing at once with UNAVAILABLE.
         """
         request = pb.DescribeRequest()
         r = await self._unary(self._stub.Describe, request, timeout_s, wait_for_ready=wait_for_ready)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import time
 from typing import Any
@@ -215,5 +216,52 @@ def test_too_many_in_flight_is_refused_client_side() -> None:
                 with pytest.raises(errors.EdgeRLError, match="max_inflight is 1"):
                     await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
                 await stream.close()
+
+    run(main())
+
+
+def test_wait_ready_gives_up_leaving_nothing_pending_for_a_later_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A wait that timed out must not complete later into its closed event loop (grpc/grpc#26887:
+    a connectivity watch given up on does, and the next loop using gRPC logs "Event loop is
+    closed")."""
+
+    async def no_server() -> None:
+        async with EdgeClient("127.0.0.1:1") as client:
+            await client.wait_ready(timeout_s=0.5)
+
+    t0 = time.monotonic()
+    with pytest.raises(
+        errors.ServerUnavailableError, match=re.escape("no server at 127.0.0.1:1 within 0.5s")
+    ):
+        asyncio.run(no_server())  # the loop ends with the wait it gave up on
+    assert time.monotonic() - t0 > 0.45
+
+    async def later() -> None:  # a second loop using gRPC, as the next task of a process would
+        async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
+            with pytest.raises(errors.ServerUnavailableError):
+                await client.describe()
+        await asyncio.sleep(0.5)
+
+    asyncio.run(later())
+    assert "Event loop is closed" not in caplog.text
+
+
+def test_wait_ready_returns_once_the_server_serves() -> None:
+    async def main() -> None:
+        with socket.socket() as probe:  # a free port for a server that comes up late
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        async with EdgeClient(f"127.0.0.1:{port}") as client:
+            waiting = asyncio.ensure_future(client.wait_ready(timeout_s=20))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # nobody serves yet
+            server = EdgeServer(EchoPolicy(4, 1), ServerConfig(port=port))
+            await server.start()
+            try:
+                await asyncio.wait_for(waiting, 10)  # ready (raises if it gave up)
+            finally:
+                await server.stop()
 
     run(main())

@@ -113,6 +113,12 @@ def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         channel.close()
+
+        async def ready_without_a_token() -> None:  # wait_ready asks health: it needs no token
+            async with EdgeClient(srv.address, timeout_s=3.0) as client:
+                await client.wait_ready()
+
+        run(ready_without_a_token())
         assert srv.server is not None and srv.server.auth is not None
         assert srv.server.auth.rejected_unauthenticated == 4
         assert srv.server.auth.rejected_permission == 2
