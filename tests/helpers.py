@@ -186,3 +186,19 @@ class PidEcho(EchoPolicy):
 def slow_pid_echo(index: int, delay_s: float = 1.0) -> PolicyBackend:
     """A replica factory (picklable): a :class:`PidEcho` of 4 obs and 2 action dims taking ``delay_s``."""
     return PidEcho(4, 2, delay_s=delay_s)
+
+
+def run_a_later_grpc_loop() -> None:
+    """Run a second event loop that uses gRPC (a call to a port nobody serves, then half a
+    second), as the next task of a process would. Where an earlier loop left a gRPC completion
+    pending, it arrives now, into that closed loop, and asyncio logs "Event loop is closed"
+    (grpc/grpc#26887)."""
+    from edgerl.robot_client import errors
+
+    async def later() -> None:
+        async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
+            with contextlib.suppress(errors.ServerUnavailableError):
+                await client.describe()
+        await asyncio.sleep(0.5)
+
+    asyncio.run(later())

@@ -18,7 +18,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
-from tests.helpers import EchoPolicy, run, running_server
+from tests.helpers import EchoPolicy, run, run_a_later_grpc_loop, running_server
 
 
 def test_error_types_carry_their_grpc_code() -> None:
@@ -238,13 +238,7 @@ def test_wait_ready_gives_up_leaving_nothing_pending_for_a_later_loop(
         asyncio.run(no_server())  # the loop ends with the wait it gave up on
     assert time.monotonic() - t0 > 0.45
 
-    async def later() -> None:  # a second loop using gRPC, as the next task of a process would
-        async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
-            with pytest.raises(errors.ServerUnavailableError):
-                await client.describe()
-        await asyncio.sleep(0.5)
-
-    asyncio.run(later())
+    run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -15,13 +14,11 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.models import build_policy
-from edgerl.robot_client import errors
-from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread
+from tests.helpers import EchoPolicy, ServerThread, run_a_later_grpc_loop
 
 HZ = 50.0
 BOTH_STREAMS = pytest.mark.parametrize("network_process", [False, True], ids=["thread", "process"])
@@ -311,13 +308,7 @@ def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFix
 
     # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
     # connectivity watch given up on completes later, into the closed loop)
-    async def later() -> None:
-        async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
-            with pytest.raises(errors.ServerUnavailableError):
-                await client.describe()
-        await asyncio.sleep(0.5)
-
-    asyncio.run(later())
+    run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
 
 
