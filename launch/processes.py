@@ -306,16 +306,17 @@ async def _standby(conn: mp.connection.Connection, go: mp.connection.Connection)
     woken = asyncio.Event()
     loop.add_reader(go.fileno(), woken.set)
     loop.add_signal_handler(signal.SIGTERM, woken.set)
+    conn.send("standby")  # once SIGTERM is handled: the parent may stop it at once
+    await woken.wait()
+    loop.remove_reader(go.fileno())
     try:
-        conn.send("standby")  # once SIGTERM is handled: the parent may stop it at once
-        await woken.wait()
-    finally:
-        loop.remove_reader(go.fileno())
-        loop.remove_signal_handler(signal.SIGTERM)
-    try:
-        return bool(go.poll()) and go.recv() == "go"
+        told = bool(go.poll()) and go.recv() == "go"
     except EOFError:  # the parent is gone, or closed its end
-        return False
+        told = False
+    if told:  # serving: serve_until_signal takes SIGTERM over
+        loop.remove_signal_handler(signal.SIGTERM)
+    # else SIGTERM stays handled (and ignored) while the backend closes
+    return told
 
 
 @contextlib.contextmanager
@@ -418,9 +419,11 @@ class ServerProcess:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``."""
         proc, self._proc = self._proc, None
-        self._close_go()  # a standby server then closes its backend and ends
+        standby = self._close_go()
         if proc is None:
             return
+        if standby:  # told so by its pipe closing, it closes its backend and ends
+            proc.join(timeout_s)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout_s)
@@ -437,10 +440,12 @@ class ServerProcess:
             proc.kill()
             proc.join()
 
-    def _close_go(self) -> None:
-        if self._go is not None:
-            self._go.close()
-            self._go = None
+    def _close_go(self) -> bool:
+        """Close the pipe that activates a standby server; whether there was one."""
+        go, self._go = self._go, None
+        if go is not None:
+            go.close()
+        return go is not None
 
     def __enter__(self) -> ServerProcess:
         self.start()
