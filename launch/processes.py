@@ -51,8 +51,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @contextlib.contextmanager
 def on_stop_signals(handler: Callable[[int, Any], Any]) -> Iterator[None]:
-    """Call ``handler`` on SIGINT and SIGTERM in this block (the main thread's), then restore
-    the handlers that were there: a command stopped either way stops as cleanly as on Ctrl-C."""
+    """Call ``handler`` on SIGINT and SIGTERM in this block, then restore the handlers that were
+    there: a command stopped either way stops as cleanly as on Ctrl-C. Signals reach only the
+    main thread; run in another (a command embedded in a program), it installs nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield

@@ -251,6 +251,32 @@ def _terminated(args: list[str], tmp_path: Path, ready: Callable[[str, str], boo
     return code, err_path.read_text()
 
 
+def test_stop_signals_reach_the_handler_in_the_main_thread_and_nothing_is_installed_elsewhere() -> None:
+    import threading
+
+    from edgerl.launch.processes import on_stop_signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    got: list[int] = []
+    with on_stop_signals(lambda signum, frame: got.append(signum)):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # handlers run in the main thread between its bytecodes
+    assert got == [signal.SIGTERM, signal.SIGINT]
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+    seen: list[object] = []
+
+    def elsewhere() -> None:  # a command run off the main thread: no error, no handler
+        with on_stop_signals(lambda signum, frame: None):
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [before]
+
+
 def test_sigterm_stops_a_rollout_as_ctrl_c_does(tmp_path: Path) -> None:
     path = tmp_path / "rollout.json"
     args = ["rollout", "--env", "InvertedPendulum-v5", "--envs", "8", "--seconds", "0", "--json", str(path)]
