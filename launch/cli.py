@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import os
 import signal
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edgerl",
         formatter_class=_FMT,
         description="Online RL for robots with batched edge inference over gRPC.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"edgerl {importlib.metadata.version('edgerl')}"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

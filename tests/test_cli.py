@@ -68,6 +68,18 @@ def test_top_level_help_lists_the_subcommands() -> None:
         assert f"    {command} " in out
 
 
+def test_version_is_the_installed_package_s(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    from edgerl.launch.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out == f"edgerl {project['version']}\n"
+
+
 def _refused(*args: str) -> str:
     """Run ``edgerl ARGS``, expecting the exit status of a bad option value (2); its stderr."""
     out = subprocess.run([*EDGERL, *args], capture_output=True, text=True, timeout=120, check=False)
