@@ -220,7 +220,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             while not stop.is_set() and time.monotonic() < t_end:
                 stop.wait(min(2.0, max(0.0, t_end - time.monotonic())))
                 print(f"edgerl robot: {_line(host.stats())}", flush=True)
-            stats = host.stats()
+        stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
     print(json.dumps({"robots": stats}, indent=2))
