@@ -145,12 +145,14 @@ def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str)
     server = ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small", replicas=2))
     server.start(standby=True)
     proc = server._proc
-    replicas = _children(proc.pid)
-    assert len(replicas) == 2
-    if how == "sigterm":  # from outside, as a process manager stops it
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.join(60)
-    server.stop()
+    try:
+        replicas = _children(proc.pid)
+        assert len(replicas) == 2
+        if how == "sigterm":  # from outside, as a process manager stops it
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.join(60)
+    finally:
+        server.stop()
     assert proc.exitcode == 0  # it closed its backend and ended, not killed by the signal
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{r}").exists() for r in replicas) and time.monotonic() < deadline:
