@@ -146,7 +146,8 @@ def server_chunk(server: str, security: ClientSecurity | None, timeout_s: float 
 
     async def ask() -> int:
         async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
-            return (await client.describe(wait_for_ready=True)).action_chunk
+            await client.wait_ready(timeout_s)
+            return (await client.describe()).action_chunk
 
     try:
         return asyncio.run(ask())

@@ -314,28 +314,17 @@ class EdgeClient:
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
         raise errors.ServerUnavailableError(f"no server at {self.target} within {timeout}s")
 
-    async def _unary(
-        self, method: Any, request: Any, timeout_s: float | None, *, wait_for_ready: bool = False
-    ) -> Any:
+    async def _unary(self, method: Any, request: Any, timeout_s: float | None) -> Any:
         try:
             return await method(
-                request,
-                timeout=self.timeout_s if timeout_s is None else timeout_s,
-                metadata=self._metadata,
-                wait_for_ready=wait_for_ready,
+                request, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
             raise errors.from_grpc(exc) from None
 
-    async def describe(self, timeout_s: float | None = None, *, wait_for_ready: bool = False) -> ServerInfo:
-        """Spaces, policy version and limits of the server.
-
-        ``wait_for_ready``: a server that is not up yet is waited for until the deadline
-        (:class:`~edgerl.robot_client.errors.DeadlineExceededError` after it) instead of
-        failing at once with UNAVAILABLE.
-        """
-        request = pb.DescribeRequest()
-        r = await self._unary(self._stub.Describe, request, timeout_s, wait_for_ready=wait_for_ready)
+    async def describe(self, timeout_s: float | None = None) -> ServerInfo:
+        """Spaces, policy version and limits of the server."""
+        r = await self._unary(self._stub.Describe, pb.DescribeRequest(), timeout_s)
         act_shape = tuple(r.action_space.shape)
         lim = r.limits
         return ServerInfo(
