@@ -287,7 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--steps", type=NON_NEGATIVE_INT, default=0, help="stop after this many env steps (0: never)"
     )
-    p.add_argument("--seconds", type=NON_NEGATIVE, default=0.0, help="stop after this long (0: never)")
+    p.add_argument(
+        "--seconds",
+        type=NON_NEGATIVE,
+        default=0.0,
+        help="stop this long after the first env step (0: never); until the server answers, the "
+        "workers wait for it, retrying with backoff",
+    )
     _add_common(p)
 
     p = sub.add_parser(
@@ -611,7 +617,11 @@ def _sim(a: argparse.Namespace) -> int:
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
     with _fleet(a, a.server, a.local_socket) as fleet:
-        summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
+        # The server is the user's to start: its workers retry until it is up, or fail after
+        # give_up_after_s without a working stream. No limit of the command's own.
+        summary = watch(
+            fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", start_timeout_s=None
+        )
     return _report(summary, None)
 
 

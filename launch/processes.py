@@ -672,20 +672,44 @@ class WorkerFleet:
         """Env steps taken so far by each worker."""
         return [int(s.value) for s in self._steps]
 
-    def wait_started(self, timeout_s: float = 120.0, *, every: bool = True) -> None:
+    def wait_started(
+        self, timeout_s: float | None = 120.0, *, every: bool = True, note_after_s: float = 3.0
+    ) -> None:
         """Block until every worker (``every=False``: any worker) has stepped at least once.
 
         Against a server with admission control, wait for any worker only: the
         first one up can fill the server's window before the others connect, and
-        then they step only once a trainer takes what is pending.
+        then they step only once a trainer takes what is pending. Workers keep
+        reconnecting to a server that is not up yet; past ``note_after_s`` without
+        a step this says once, on stderr, what they wait for.
+
+        Raises:
+            WorkerError: a worker failed, or they had not started within ``timeout_s``
+                (``None``: no limit).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         started = all if every else any
+        noted = False
         while not started(s.value > 0 for s in self._steps):
             self.check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sim workers did not start within {timeout_s}s")
+            waited = time.monotonic() - start
+            if timeout_s is not None and waited > timeout_s:
+                raise WorkerError(
+                    f"sim workers had not started within {timeout_s:g}s, waiting for {self._target()}"
+                    " (their warnings above say why)"
+                )
+            if not noted and waited > note_after_s:
+                noted = True
+                print(
+                    f"edgerl: waiting for {self._target()} (the workers retry with backoff)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.05)
+
+    def _target(self) -> str:
+        cfg = self.config
+        return f"the local socket {cfg.local_socket}" if cfg.local_socket else f"the server at {cfg.server}"
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop the workers (killed if they have not exited within ``timeout_s``) and collect the

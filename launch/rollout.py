@@ -11,13 +11,18 @@ from tqdm import tqdm
 from edgerl.launch.processes import WorkerFleet
 
 
-def watch(fleet: WorkerFleet, *, seconds: float, steps: int, desc: str) -> dict[str, Any]:
+def watch(
+    fleet: WorkerFleet, *, seconds: float, steps: int, desc: str, start_timeout_s: float | None = 120.0
+) -> dict[str, Any]:
     """Show progress until ``seconds`` pass, ``steps`` env steps are done, workers end, or Ctrl-C.
+
+    Both count from the workers' first env steps, which may wait ``start_timeout_s`` (``None``:
+    without limit) for the server: :meth:`WorkerFleet.wait_started`.
 
     Returns:
         A summary: env steps, wall time, steps/s, episodes and their mean return.
     """
-    fleet.wait_started()
+    fleet.wait_started(start_timeout_s)
     t0 = time.perf_counter()
     s0 = fleet.total_steps()
     total = steps if steps > 0 else None

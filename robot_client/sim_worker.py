@@ -22,7 +22,7 @@ import random
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,7 +194,8 @@ class SimWorker:
         while not self._done(should_stop):
             try:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
-                    await client.wait_ready()
+                    if not await self._unless_stopped(client.wait_ready(), should_stop):
+                        break
                     info = await client.describe_for(self._obs_shape, cfg.env_name)
                     stream = await client.open_stream(
                         session_id=self.session_id,
@@ -204,21 +205,10 @@ class SimWorker:
                         max_inflight=cfg.groups,
                     )
                     self._answered = False
-                    pump = asyncio.ensure_future(self._pump(stream, info.act_low, info.act_high, should_stop))
-                    try:
-                        # Stop promptly even while an answer is pending (e.g. held by backpressure).
-                        while not pump.done():
-                            await asyncio.wait({pump}, timeout=0.1)
-                            if not pump.done() and self._done(should_stop):
-                                pump.cancel()
-                                with contextlib.suppress(asyncio.CancelledError):
-                                    await pump
-                                break
-                        if not pump.cancelled():
-                            pump.result()
-                    finally:
-                        if not pump.done():
-                            pump.cancel()
+                    # Stops promptly even while an answer is pending (e.g. held by backpressure).
+                    await self._unless_stopped(
+                        self._pump(stream, info.act_low, info.act_high, should_stop), should_stop
+                    )
                     await stream.close()
                     return self.progress
             except errors.ServerUnavailableError as exc:
@@ -226,7 +216,9 @@ class SimWorker:
                 if self._answered or failing_since is None:  # the last stream worked: start afresh
                     failing_since, backoff, self._answered = now, cfg.backoff_initial_s, False
                 if now - failing_since > cfg.give_up_after_s:
-                    raise
+                    raise errors.ServerUnavailableError(
+                        f"no working stream to {cfg.server} for {cfg.give_up_after_s:.0f}s ({exc.details})"
+                    ) from exc
                 if self._done(should_stop):
                     break
                 delay = backoff * random.uniform(0.5, 1.0)
@@ -234,9 +226,30 @@ class SimWorker:
                     "server %s unavailable (%s); reconnecting in %.2fs", cfg.server, exc.details, delay
                 )
                 self.progress.reconnects += 1
-                await asyncio.sleep(delay)
+                await self._unless_stopped(asyncio.sleep(delay), should_stop)
                 backoff = min(backoff * 2, cfg.backoff_max_s)
         return self.progress
+
+    async def _unless_stopped(self, aw: Awaitable[object], should_stop: Callable[[], bool]) -> bool:
+        """Await ``aw`` unless the worker is done first (asked every 0.1 s), cancelling it then.
+
+        Returns whether ``aw`` finished; raises its exception if it failed. A stop does not wait
+        for a connection attempt (up to ``timeout_s``), a reconnect delay or a pending answer.
+        """
+        task = asyncio.ensure_future(aw)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.1)
+                if not task.done() and self._done(should_stop):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return False
+            task.result()
+            return True
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _pump(
         self, stream: ActStream, low: np.ndarray, high: np.ndarray, should_stop: Callable[[], bool]

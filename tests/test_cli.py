@@ -318,6 +318,21 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
     assert len(next(iter(read_bag(bag).values()))) == ticks  # every tick recorded
 
 
+def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    # Each connection attempt may take 60 s: the stop must not wait for one.
+    args = ["sim", "--server", address, "--env", "InvertedPendulum-v5", "--envs", "2", "--timeout-s", "60"]
+    t0 = time.monotonic()
+    code, err = _terminated(args, tmp_path, lambda out, err: "edgerl: waiting for" in err)
+    took = time.monotonic() - t0
+    assert f"edgerl: waiting for the server at {address} (the workers retry with backoff)" in err
+    assert code == 130 and err.rstrip().endswith("edgerl: interrupted"), err  # nothing ran: no summary
+    assert "Traceback" not in err, err
+    assert took < 40.0, f"{took:.1f}s"  # a few seconds to start and say so, not a 60 s attempt
+
+
 def test_sim_needs_a_server_or_a_local_socket() -> None:
     stderr = _refused("sim", "--envs", "2")
     assert "sim: give one of --server ADDR (gRPC) and --local-socket PATH" in stderr

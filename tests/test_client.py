@@ -115,9 +115,38 @@ def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
             give_up_after_s=1.0,
             network_process=network_process,
         )
-        with pytest.raises(errors.ServerUnavailableError):
+        gave_up = r"no working stream to 127\.0\.0\.1:\d+ for 1s"
+        with pytest.raises(errors.ServerUnavailableError, match=gave_up):
             await asyncio.wait_for(worker.run(), 30)
         worker.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_a_worker_waiting_for_an_absent_server_stops_when_told(network_process: bool) -> None:
+    async def main() -> None:
+        # Each connection attempt may take 30 s and each reconnect delay 20 s: a stop must not wait.
+        worker = _worker(
+            server=f"127.0.0.1:{_free_port()}",
+            num_envs=2,
+            timeout_s=30.0,
+            backoff_initial_s=20.0,
+            backoff_max_s=20.0,
+            network_process=network_process,
+        )
+        stop = False
+        task = asyncio.ensure_future(worker.run(lambda: stop))
+        try:
+            await asyncio.sleep(1.0)  # connecting, or (network process) retrying
+            assert not task.done()
+            stop = True
+            told = time.monotonic()
+            progress = await asyncio.wait_for(task, 30)
+            assert time.monotonic() - told < 5.0  # not a connection attempt's 30 s
+            assert progress.steps == 0
+        finally:
+            worker.close()
 
     run(main())
 

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerError, WorkerFleet
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
 from tests.helpers import EchoPolicy, run, running_server, thread_ids
@@ -190,3 +191,18 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
     assert fleet.failed() == []  # it exited by itself, not killed
     assert len(fleet.episode_returns) > 2000
     assert took < 5.0, f"stop() took {took:.1f}s"
+
+
+def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_address(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    config = SimWorkerConfig(server=address, env_name="InvertedPendulum-v5", num_envs=2, timeout_s=0.5)
+    with WorkerFleet(config, 1) as fleet:
+        waiting = rf"had not started within 3s, waiting for the server at {address}"
+        with pytest.raises(WorkerError, match=waiting):
+            fleet.wait_started(3.0, note_after_s=1.0)
+    assert capsys.readouterr().err.count(f"edgerl: waiting for the server at {address}") == 1  # once
+    assert fleet.failed() == []  # still retrying when stopped, not failed
