@@ -11,7 +11,7 @@ exception carrying its gRPC code.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -29,6 +29,8 @@ from edgerl.robot_client.security import ClientSecurity, open_channel
 DEFAULT_TIMEOUT_S = 10.0
 STREAM_DEADLINE_S = 7 * 24 * 3600.0
 """Deadline of the Act stream as a whole; each answer has its own, shorter one."""
+_STOP_POLL_S = 0.25
+"""Longest health check of a :meth:`EdgeClient.wait_ready` that asks ``should_stop`` between them."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +285,9 @@ class EdgeClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def wait_ready(self, timeout_s: float | None = None) -> None:
+    async def wait_ready(
+        self, timeout_s: float | None = None, *, should_stop: Callable[[], bool] | None = None
+    ) -> bool:
         """Wait until the server answers its health check as serving.
 
         It asks the standard health service (open without a token) with ``wait_for_ready``, so a
@@ -291,7 +295,12 @@ class EdgeClient:
         again every 50 ms. Unlike a wait on the channel's connectivity (``channel_ready()``), a
         wait given up on leaves nothing pending in gRPC: such a watch completes later, into its
         event loop, and if that loop has closed the next loop using gRPC logs "Event loop is
-        closed" (grpc/grpc#26887).
+        closed" (grpc/grpc#26887). A check cancelled in flight can do the same, so a caller that
+        must be able to stop the wait passes ``should_stop``: each check then lasts at most
+        0.25 s, and the wait returns False once ``should_stop()`` is true between two of them.
+
+        Returns:
+            True once the server serves; False when ``should_stop`` ended the wait.
 
         Raises:
             ServerUnavailableError: the server did not serve within the timeout.
@@ -301,6 +310,10 @@ class EdgeClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (left := deadline - loop.time()) > 0:
+            if should_stop is not None:
+                if should_stop():
+                    return False
+                left = min(left, _STOP_POLL_S)
             try:
                 answer = await self._health.Check(
                     health_pb2.HealthCheckRequest(), timeout=left, wait_for_ready=True
@@ -308,9 +321,9 @@ class EdgeClient:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.from_grpc(exc) from None
-                break
+                continue  # this check's deadline; the loop's condition tells if it was the wait's
             if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                return
+                return True
             await asyncio.sleep(min(0.05, max(0.0, deadline - loop.time())))
         raise errors.ServerUnavailableError(f"no server at {self.target} within {timeout}s")
 

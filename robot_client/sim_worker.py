@@ -194,7 +194,7 @@ class SimWorker:
         while not self._done(should_stop):
             try:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
-                    if not await self._unless_stopped(client.wait_ready(), should_stop):
+                    if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
                     info = await client.describe_for(self._obs_shape, cfg.env_name)
                     stream = await client.open_stream(

@@ -103,17 +103,16 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
     run(main())
 
 
+def _unserved_worker(network_process: bool, **timing: float) -> SimWorker:
+    """A worker of 2 envs against a port nothing listens on."""
+    return _worker(server=f"127.0.0.1:{_free_port()}", num_envs=2, network_process=network_process, **timing)
+
+
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
 def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
     async def main() -> None:
-        worker = _worker(
-            server=f"127.0.0.1:{_free_port()}",
-            num_envs=2,
-            timeout_s=0.3,
-            backoff_initial_s=0.05,
-            backoff_max_s=0.1,
-            give_up_after_s=1.0,
-            network_process=network_process,
+        worker = _unserved_worker(
+            network_process, timeout_s=0.3, backoff_initial_s=0.05, backoff_max_s=0.1, give_up_after_s=1.0
         )
         gave_up = r"no working stream to 127\.0\.0\.1:\d+ for 1s"
         with pytest.raises(errors.ServerUnavailableError, match=gave_up):
@@ -127,14 +126,7 @@ def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
 def test_a_worker_waiting_for_an_absent_server_stops_when_told(network_process: bool) -> None:
     async def main() -> None:
         # Each connection attempt may take 30 s and each reconnect delay 20 s: a stop must not wait.
-        worker = _worker(
-            server=f"127.0.0.1:{_free_port()}",
-            num_envs=2,
-            timeout_s=30.0,
-            backoff_initial_s=20.0,
-            backoff_max_s=20.0,
-            network_process=network_process,
-        )
+        worker = _unserved_worker(network_process, timeout_s=30.0, backoff_initial_s=20.0, backoff_max_s=20.0)
         stop = False
         task = asyncio.ensure_future(worker.run(lambda: stop))
         try:
@@ -267,6 +259,21 @@ def test_wait_ready_gives_up_leaving_nothing_pending_for_a_later_loop(
         asyncio.run(no_server())  # the loop ends with the wait it gave up on
     assert time.monotonic() - t0 > 0.45
 
+    run_a_later_grpc_loop()
+    assert "Event loop is closed" not in caplog.text
+
+
+def test_wait_ready_ended_by_should_stop_returns_false_leaving_nothing_pending(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def stopped() -> bool:
+        stop_at = time.monotonic() + 0.6
+        async with EdgeClient("127.0.0.1:1") as client:
+            return await client.wait_ready(timeout_s=30.0, should_stop=lambda: time.monotonic() > stop_at)
+
+    t0 = time.monotonic()
+    assert asyncio.run(stopped()) is False
+    assert 0.55 < time.monotonic() - t0 < 5.0  # told at 0.6 s, not at the 30 s timeout
     run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
 
