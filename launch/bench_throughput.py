@@ -33,6 +33,7 @@ from edgerl.launch.processes import (
     ServerProcess,
     WorkerFleet,
     build_backend,
+    check_fleet,
     kept_cpus,
     other_cpus,
     server_stats,
@@ -101,6 +102,8 @@ class ThroughputConfig:
         by_policy = self.replicas if self.policy == LLM_PRESET else 2  # 0: open until the replicas are
         if self.groups == 0 and by_policy:
             object.__setattr__(self, "groups", by_policy)
+        if self.groups:  # else checked once the replicas, and with them the groups, are chosen
+            check_fleet(self.envs, self.workers, self.groups)
         if self.worker_cpus is not None:
             kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
 

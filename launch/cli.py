@@ -33,6 +33,7 @@ from edgerl.launch.processes import (
     ServerStartError,
     WorkerError,
     WorkerFleet,
+    check_fleet,
     configure_logging,
     kept_cpus,
     on_stop_signals,
@@ -628,6 +629,7 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
+    check_fleet(a.envs, a.workers, a.groups)  # before the server starts
     policy = PolicySpec.from_options(a, replicas=a.replicas)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None

@@ -575,6 +575,16 @@ def _run_worker(
         worker.close()
 
 
+def check_fleet(num_envs: int, num_workers: int, groups: int) -> None:
+    """Raise ValueError, naming the options, unless ``num_workers`` sim workers can share
+    ``num_envs`` envs with ``groups`` env groups each. Commands call it before they start
+    anything; :class:`WorkerFleet` checks again."""
+    if num_workers < 1:
+        raise ValueError(f"workers must be >= 1, got {num_workers}")
+    if num_envs < num_workers * groups:
+        raise ValueError(f"envs ({num_envs}) must be >= workers x groups ({num_workers} x {groups})")
+
+
 class WorkerFleet:
     """``num_workers`` sim worker processes sharing ``num_envs`` envs between them."""
 
@@ -587,12 +597,7 @@ class WorkerFleet:
         worker_cpus: Sequence[int] = (),
     ) -> None:
         """``worker_cpus``: worker i runs on CPU ``worker_cpus[i % len(worker_cpus)]`` (empty: any)."""
-        if num_workers < 1:
-            raise ValueError(f"workers must be >= 1, got {num_workers}")
-        if config.num_envs < num_workers * config.groups:
-            raise ValueError(
-                f"envs ({config.num_envs}) must be >= workers x groups ({num_workers} x {config.groups})"
-            )
+        check_fleet(config.num_envs, num_workers, config.groups)
         self.config = config
         self.num_workers = num_workers
         self.log_level = log_level

@@ -32,6 +32,7 @@ from edgerl.launch.processes import (
     WorkerFleet,
     build_mlp,
     check_dtype,
+    check_fleet,
     llm_model_dir,
     on_stop_signals,
 )
@@ -82,10 +83,7 @@ class RunConfig:
     ppo: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        if self.envs < self.workers * self.groups:
-            raise ValueError(
-                f"envs ({self.envs}) must be >= workers x groups ({self.workers} x {self.groups})"
-            )
+        check_fleet(self.envs, self.workers, self.groups)
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
         if self.model and self.policy != LLM_PRESET:

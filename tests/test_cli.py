@@ -87,9 +87,16 @@ def _refused(*args: str) -> str:
     return out.stderr
 
 
-def test_bad_option_value_is_a_clear_error() -> None:
-    stderr = _refused("rollout", "--envs", "2", "--workers", "2", "--groups", "2")
-    assert "envs (2) must be >= workers x groups (2 x 2)" in stderr
+@pytest.mark.parametrize("command", [["rollout"], ["bench", "throughput"], ["train"]])
+def test_envs_the_workers_cannot_share_are_refused_before_anything_starts(command: list[str]) -> None:
+    args = [*EDGERL, *command, "--envs", "3", "--workers", "2"]  # 2 env groups each by default
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.splitlines()[-1]  # train names where the value came from
+    assert line.startswith("edgerl: error: ")
+    assert line.endswith("envs (3) must be >= workers x groups (2 x 2)")
+    assert "edge server on" not in out.stdout  # rollout: no server started
+    assert "repeat 1/" not in out.stderr  # bench: no mode measured first
 
 
 @pytest.mark.parametrize(
