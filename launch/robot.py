@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -139,14 +140,21 @@ def build_robots(a: argparse.Namespace) -> list[Robot]:
     return robots
 
 
-def server_chunk(server: str, security: ClientSecurity | None, timeout_s: float = 5.0) -> int:
+def server_chunk(
+    server: str,
+    security: ClientSecurity | None,
+    timeout_s: float = 5.0,
+    should_stop: Callable[[], bool] | None = None,
+) -> int:
     """Actions per answer of the policy served at ``server`` (from its Describe); 1, with a
-    warning, if the server cannot be asked now (the robots start anyway and connect later)."""
+    warning, if the server cannot be asked now (the robots start anyway and connect later),
+    and 1 at once when ``should_stop()`` (the command was stopped meanwhile)."""
     from edgerl.robot_client.client import EdgeClient
 
     async def ask() -> int:
         async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
-            await client.wait_ready(timeout_s)
+            if not await client.wait_ready(timeout_s, should_stop=should_stop):
+                return 1
             return (await client.describe()).action_chunk
 
     try:
@@ -199,7 +207,9 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
     stop = threading.Event()
     with on_stop_signals(lambda *_: stop.set()):
-        chunk = server_chunk(a.server, security) if a.deadline_ms is None or a.refill_at is None else 1
+        # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
+        asked = a.deadline_ms is None or a.refill_at is None
+        chunk = server_chunk(a.server, security, should_stop=stop.is_set) if asked else 1
         cfg = dataclasses.replace(runner_config(a, chunk), security=security)
         if chunk > 1:
             print(
@@ -216,7 +226,8 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         with contextlib.ExitStack() as stack:
             if recorder is not None:
                 stack.callback(recorder.close)
-            stack.enter_context(host)
+            host.start(stop.is_set)
+            stack.callback(host.stop)
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             while not stop.is_set() and time.monotonic() < t_end:
                 stop.wait(min(2.0, max(0.0, t_end - time.monotonic())))

@@ -713,12 +713,17 @@ class RobotHost:
         """Times the network process ended and a new one was started."""
         return self._outbox.restarts
 
-    def start(self) -> None:
-        """Start the network process, wait (up to ``connect_timeout_s``) for its stream, start the loop."""
+    def start(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Start the network process, wait (up to ``connect_timeout_s``) for its stream, start the
+        loop. Once ``should_stop()``, it neither waits nor starts the loop: no robot is touched."""
         self._outbox.open()
         deadline = time.monotonic() + self.config.connect_timeout_s
         while not self._outbox.connected and time.monotonic() < deadline:
+            if should_stop():
+                return
             self._outbox.wait(0.02)
+        if should_stop():
+            return
         if not self._outbox.connected:
             log.warning(
                 "no stream to %s within %.1fs; the robots run on fallbacks until it connects",

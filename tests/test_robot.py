@@ -312,6 +312,32 @@ def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFix
     assert "Event loop is closed" not in caplog.text
 
 
+def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """edgerl robot asks the server for its chunk, then waits for the robots' stream; Ctrl-C or
+    SIGTERM (``should_stop``) ends either wait, however long it may last."""
+    from edgerl.launch.robot import server_chunk
+
+    t0 = time.monotonic()
+    assert (
+        server_chunk("127.0.0.1:1", None, timeout_s=30.0, should_stop=lambda: time.monotonic() > t0 + 0.5)
+        == 1
+    )
+    assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the probe may take
+    assert "could not ask" not in caplog.text  # stopped: no warning that the server is missing
+
+    host = RobotHost([CounterRobot()], _config("127.0.0.1:1", connect_timeout_s=30.0))
+    t0 = time.monotonic()
+    try:
+        host.start(should_stop=lambda: time.monotonic() > t0 + 0.5)
+        assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the stream may take
+    finally:
+        host.stop()
+    assert host.stats()[0]["ticks"] == 0  # the loop never started: not even a fallback applied
+    assert "no stream to" not in caplog.text
+    run_a_later_grpc_loop()
+    assert "Event loop is closed" not in caplog.text
+
+
 def test_chunk_backend_needs_matching_output() -> None:
     net = build_policy("mlp-small", 3, 6, seed=0)
     with pytest.raises(ValueError, match="chunk"):
