@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -66,6 +67,13 @@ async def act_once(
         answer = await stream.recv()
         await stream.close()
         return answer
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (for a server that comes up late, or never)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def thread_ids(pid: int) -> list[int]:

@@ -17,7 +17,7 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import ServerThread
+from tests.helpers import ServerThread, free_port
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -326,9 +326,7 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
 
 
 def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     # Each connection attempt may take 60 s: the stop must not wait for one.
     args = ["sim", "--server", address, "--env", "InvertedPendulum-v5", "--envs", "2", "--timeout-s", "60"]
     t0 = time.monotonic()

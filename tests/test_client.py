@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
-from tests.helpers import EchoPolicy, run, run_a_later_grpc_loop, running_server
+from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server
 
 
 def test_error_types_carry_their_grpc_code() -> None:
@@ -68,16 +67,10 @@ def test_sim_worker_runs_real_envs_through_the_server(network_process: bool) -> 
     run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
 def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_process: bool) -> None:
     async def main() -> None:
-        port = _free_port()
+        port = free_port()
         worker = _worker(
             server=f"127.0.0.1:{port}",
             num_envs=4,
@@ -105,7 +98,7 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
 
 def _unserved_worker(network_process: bool, **timing: float) -> SimWorker:
     """A worker of 2 envs against a port nothing listens on."""
-    return _worker(server=f"127.0.0.1:{_free_port()}", num_envs=2, network_process=network_process, **timing)
+    return _worker(server=f"127.0.0.1:{free_port()}", num_envs=2, network_process=network_process, **timing)
 
 
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
@@ -161,7 +154,7 @@ def _network_processes() -> int:
 def test_cancelling_a_network_process_worker_ends_its_network_process() -> None:
     async def main() -> None:
         worker = _worker(
-            server=f"127.0.0.1:{_free_port()}",  # nothing listens: the worker waits for a stream
+            server=f"127.0.0.1:{free_port()}",  # nothing listens: the worker waits for a stream
             num_envs=2,
             backoff_initial_s=0.05,
             backoff_max_s=0.1,
@@ -280,9 +273,7 @@ def test_wait_ready_ended_by_should_stop_returns_false_leaving_nothing_pending(
 
 def test_wait_ready_returns_once_the_server_serves() -> None:
     async def main() -> None:
-        with socket.socket() as probe:  # a free port for a server that comes up late
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()  # for a server that comes up late
         async with EdgeClient(f"127.0.0.1:{port}") as client:
             waiting = asyncio.ensure_future(client.wait_ready(timeout_s=20))
             await asyncio.sleep(0.5)

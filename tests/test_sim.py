@@ -3,7 +3,6 @@
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerError, WorkerFleet
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
-from tests.helpers import EchoPolicy, run, running_server, thread_ids
+from tests.helpers import EchoPolicy, free_port, run, running_server, thread_ids
 
 
 def test_same_seed_same_trajectory() -> None:
@@ -196,9 +195,7 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
 def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_address(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     config = SimWorkerConfig(server=address, env_name="InvertedPendulum-v5", num_envs=2, timeout_s=0.5)
     with WorkerFleet(config, 1) as fleet:
         waiting = rf"had not started within 3s, waiting for the server at {address}"
