@@ -678,9 +678,15 @@ class WorkerFleet:
         return [int(s.value) for s in self._steps]
 
     def wait_started(
-        self, timeout_s: float | None = 120.0, *, every: bool = True, note_after_s: float = 3.0
+        self,
+        timeout_s: float | None = 120.0,
+        *,
+        every: bool = True,
+        note_after_s: float = 3.0,
+        should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Block until every worker (``every=False``: any worker) has stepped at least once.
+        """Block until every worker (``every=False``: any worker) has stepped at least once, or
+        ``should_stop()`` (a command's stop flag, set by Ctrl-C or SIGTERM).
 
         Against a server with admission control, wait for any worker only: the
         first one up can fill the server's window before the others connect, and
@@ -695,7 +701,7 @@ class WorkerFleet:
         start = time.monotonic()
         started = all if every else any
         noted = False
-        while not started(s.value > 0 for s in self._steps):
+        while not started(s.value > 0 for s in self._steps) and not should_stop():
             self.check()
             waited = time.monotonic() - start
             if timeout_s is not None and waited > timeout_s:

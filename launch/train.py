@@ -279,7 +279,7 @@ def run_training(
         with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, on_stop_signals(stop.handle):
             # Any worker, not every one: the first up may fill the server's window (admission
             # control) before the others connect; they step once the trainer takes a batch.
-            fleet.wait_started(every=False)
+            fleet.wait_started(every=False, should_stop=lambda: stop.set)
             t0 = time.monotonic()
             bar = tqdm(
                 total=cfg.steps,

@@ -203,3 +203,9 @@ def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_addres
             fleet.wait_started(3.0, note_after_s=1.0)
     assert capsys.readouterr().err.count(f"edgerl: waiting for the server at {address}") == 1  # once
     assert fleet.failed() == []  # still retrying when stopped, not failed
+
+    with WorkerFleet(config, 1) as fleet:  # a stop flag (edgerl train's) ends the wait without limit
+        t0 = time.monotonic()
+        fleet.wait_started(None, should_stop=lambda: time.monotonic() > t0 + 1.0)
+        assert 0.95 < time.monotonic() - t0 < 5.0
+        assert fleet.total_steps() == 0
