@@ -718,9 +718,7 @@ class RobotHost:
         loop. Once ``should_stop()``, it neither waits nor starts the loop: no robot is touched."""
         self._outbox.open()
         deadline = time.monotonic() + self.config.connect_timeout_s
-        while not self._outbox.connected and time.monotonic() < deadline:
-            if should_stop():
-                return
+        while not self._outbox.connected and time.monotonic() < deadline and not should_stop():
             self._outbox.wait(0.02)
         if should_stop():
             return

@@ -230,11 +230,11 @@ class SimWorker:
                 backoff = min(backoff * 2, cfg.backoff_max_s)
         return self.progress
 
-    async def _unless_stopped(self, aw: Awaitable[object], should_stop: Callable[[], bool]) -> bool:
-        """Await ``aw`` unless the worker is done first (asked every 0.1 s), cancelling it then.
-
-        Returns whether ``aw`` finished; raises its exception if it failed. A stop does not wait
-        for a connection attempt (up to ``timeout_s``), a reconnect delay or a pending answer.
+    async def _unless_stopped(self, aw: Awaitable[object], should_stop: Callable[[], bool]) -> None:
+        """Await ``aw`` unless the worker is done first (asked every 0.1 s), cancelling it then;
+        raises its exception if it failed. A stop does not wait for a reconnect delay or a
+        pending answer. (The wait for the server asks ``should_stop`` itself: a health check
+        cancelled in flight can complete into a closed event loop, see ``EdgeClient.wait_ready``.)
         """
         task = asyncio.ensure_future(aw)
         try:
@@ -244,9 +244,8 @@ class SimWorker:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-                    return False
+                    return
             task.result()
-            return True
         finally:
             if not task.done():
                 task.cancel()

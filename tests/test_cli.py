@@ -80,18 +80,21 @@ def test_version_is_the_installed_package_s(capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().out == f"edgerl {project['version']}\n"
 
 
-def _refused(*args: str) -> str:
-    """Run ``edgerl ARGS``, expecting the exit status of a bad option value (2); its stderr."""
+def _run_refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``edgerl ARGS``, expecting the exit status of a bad option value (2)."""
     out = subprocess.run([*EDGERL, *args], capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 2
-    return out.stderr
+    assert out.returncode == 2, out.stderr
+    return out
+
+
+def _refused(*args: str) -> str:
+    """:func:`_run_refused`'s stderr."""
+    return _run_refused(*args).stderr
 
 
 @pytest.mark.parametrize("command", [["rollout"], ["bench", "throughput"], ["train"]])
 def test_envs_the_workers_cannot_share_are_refused_before_anything_starts(command: list[str]) -> None:
-    args = [*EDGERL, *command, "--envs", "3", "--workers", "2"]  # 2 env groups each by default
-    out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 2, out.stderr
+    out = _run_refused(*command, "--envs", "3", "--workers", "2")  # 2 env groups each by default
     line = out.stderr.splitlines()[-1]  # train names where the value came from
     assert line.startswith("edgerl: error: ")
     assert line.endswith("envs (3) must be >= workers x groups (2 x 2)")
