@@ -55,10 +55,10 @@ def test_sim_worker_runs_real_envs_through_the_server(network_process: bool) -> 
             worker.close()
             stats = server.batcher.stats
         assert progress.steps == 600
-        if network_process:  # the last sends may still be in the network process when it is closed
-            assert 600 <= stats.rows <= 600 + 6
-        else:
-            assert stats.rows == 600 + 6  # every step answered, plus the last sends in flight at the end
+        # Every step answered, plus at most the last sends, in flight at the end: closing the
+        # stream cancels what is unanswered, and a last send can go before the server reads it
+        # (on a loaded machine 5 of 20 runs lost one), or stay in the network process.
+        assert 600 <= stats.rows <= 600 + 6
         # Echoing the first observation entry as the action pushes the cart the way it leans: episodes end.
         assert len(progress.episode_returns) > 0
         assert all(length >= 1 for length in progress.episode_lengths)
