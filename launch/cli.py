@@ -24,6 +24,7 @@ from edgerl.launch.bench_throughput import (
     REPLICAS_ABOVE,
     write_json,
 )
+from edgerl.launch.checkpoints import read_checkpoint
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
@@ -98,25 +99,46 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_env(p: argparse.ArgumentParser, envs: int) -> None:
-    p.add_argument("--env", default="HalfCheetah-v5", help="gymnasium id of the envs")
+DEFAULT_ENV = "HalfCheetah-v5"
+_OR_CHECKPOINTS = ", or the --checkpoint's"
+
+
+def _add_env(p: argparse.ArgumentParser, envs: int, *, checkpoint: bool = False) -> None:
+    if checkpoint:  # None until resolved: the checkpoint's env where the flag is not given
+        p.add_argument("--env", help=f"gymnasium id of the envs (default: {DEFAULT_ENV}{_OR_CHECKPOINTS})")
+    else:
+        p.add_argument("--env", default=DEFAULT_ENV, help="gymnasium id of the envs")
     p.add_argument("--envs", type=COUNT, default=envs, help="number of envs in total")
     p.add_argument(
         "--seed", type=NON_NEGATIVE_INT, default=0, help="env i is seeded seed+i; also seeds the policy"
     )
 
 
-def _add_policy(p: argparse.ArgumentParser) -> None:
+def _add_policy(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None:
+    """``--policy``, ``--model``, ``--torch-threads``, ``--dtype``; with ``checkpoint``, also
+    ``--checkpoint``, whose policy and model are then the defaults (resolved by :func:`_served_policy`)."""
+    policy_help = (
+        "policy: an MLP preset (mlp-large: inference costs about as much as env stepping), "
+        "or llm, a language model served by vLLM (pip install edgerl[llm])"
+    )
+    model_help = "local model folder of --policy llm (default: a small random Llama"
+    if checkpoint:
+        p.add_argument(
+            "--checkpoint",
+            metavar="PATH",
+            default="",
+            help="serve the weights and policy version of this trainer checkpoint: a run folder of "
+            "edgerl train (its newest checkpoint) or a checkpoint file (default: none, fresh weights)",
+        )
+        policy_help += f" (default: mlp{_OR_CHECKPOINTS})"
+        model_help += f"{_OR_CHECKPOINTS} base model"
     p.add_argument(
         "--policy",
-        default="mlp",
+        default=None if checkpoint else "mlp",
         choices=[*sorted(POLICY_PRESETS), LLM_PRESET],
-        help="policy: an MLP preset (mlp-large: inference costs about as much as env stepping), "
-        "or llm, a language model served by vLLM (pip install edgerl[llm])",
+        help=policy_help,
     )
-    p.add_argument(
-        "--model", default="", help="local model folder of --policy llm (default: a small random Llama)"
-    )
+    p.add_argument("--model", default="", help=model_help + ")")
     p.add_argument("--torch-threads", type=COUNT, default=1, help="torch threads for inference")
     p.add_argument(
         "--dtype",
@@ -226,11 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the edge server",
         description="Serve a policy on gRPC until SIGINT/SIGTERM (graceful shutdown).",
     )
-    p.add_argument("--env", default="HalfCheetah-v5", help="gymnasium id whose spaces the policy serves")
+    p.add_argument(
+        "--env", help=f"gymnasium id whose spaces the policy serves (default: {DEFAULT_ENV}{_OR_CHECKPOINTS})"
+    )
     p.add_argument(
         "--seed", type=NON_NEGATIVE_INT, default=0, help="seed of the initial weights and of action sampling"
     )
-    _add_policy(p)
+    _add_policy(p, checkpoint=True)
     _add_replicas(p)
     p.add_argument("--host", default=_DEFAULT_SERVER.host, help="address to bind (loopback by default)")
     p.add_argument("--port", type=PORT, default=_DEFAULT_SERVER.port, help="TCP port (0: pick a free one)")
@@ -303,8 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="server + sim workers on loopback",
         description="Start an edge server and sim workers on loopback, show live steps/s, then a summary.",
     )
-    _add_env(p, envs=64)
-    _add_policy(p)
+    _add_env(p, envs=64, checkpoint=True)
+    _add_policy(p, checkpoint=True)
     _add_replicas(p)
     _add_workers(p, workers=DEFAULT_WORKERS)
     _add_batching(p)
@@ -567,16 +591,45 @@ def _bench_learn(a: argparse.Namespace) -> int:
     return 0
 
 
+def _served_policy(a: argparse.Namespace) -> tuple[PolicySpec, str]:
+    """The policy ``serve`` or ``rollout`` serves, and its weights in words: fresh weights of
+    ``--policy`` for ``--env``, or the weights of ``--checkpoint``, whose env, policy and base
+    model fill the options not given (set on ``a``).
+
+    Raises:
+        ValueError: naming the option that the checkpoint cannot serve.
+    """
+    from edgerl.sim.envs import env_spec
+
+    info = read_checkpoint(a.checkpoint) if a.checkpoint else None
+    a.env = a.env or (info and info.env) or DEFAULT_ENV
+    a.policy = a.policy or (info and info.policy) or "mlp"
+    if info is None:
+        return PolicySpec.from_options(a, replicas=a.replicas), f"policy {a.policy}, fresh weights"
+    spec = env_spec(a.env)
+    info.check_serves(a.env, a.policy, spec.obs_shape, spec.act_shape)
+    if info.kind == LLM_PRESET:
+        a.model = a.model or info.model
+        if a.model and not os.path.isdir(a.model):
+            raise FileNotFoundError(f"--model {a.model}: no such folder (the checkpoint's base model)")
+    policy = PolicySpec.from_options(a, replicas=a.replicas, checkpoint=info.path)
+    return policy, f"policy {a.policy}, version {info.version} from {info.path}"
+
+
 def _serve(a: argparse.Namespace) -> int:
     from edgerl.edge_server.server import serve_until_signal
     from edgerl.launch.processes import build_server
 
     cfg = config_from_args(ServerConfig, a)
-    server = build_server(PolicySpec.from_options(a, replicas=a.replicas), cfg)
+    policy, weights = _served_policy(a)
+    server = build_server(policy, cfg)
+
+    def say_ready(_: asyncio.Future[int]) -> None:
+        print(f"edgerl: serving {a.env} on {server.address}\nedgerl: {weights}", flush=True)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        ready.add_done_callback(lambda f: print(f"edgerl: serving {a.env} on {server.address}", flush=True))
+        ready.add_done_callback(say_ready)
         await serve_until_signal(server, ready)
 
     asyncio.run(main())
@@ -630,7 +683,7 @@ def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
     check_fleet(a.envs, a.workers, a.groups)  # before the server starts
-    policy = PolicySpec.from_options(a, replicas=a.replicas)
+    policy, weights = _served_policy(a)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None
     local = os.path.join(local_dir.name, "act.sock") if local_dir else ""
@@ -641,8 +694,8 @@ def _rollout(a: argparse.Namespace) -> int:
     with local_dir or contextlib.nullcontext(), server:
         via = f"its local socket {local}" if local else "gRPC"
         print(
-            f"edgerl: edge server on {server.address}; {a.workers} worker(s), {a.envs} envs of {a.env} "
-            f"over {via}",
+            f"edgerl: edge server on {server.address} ({weights}); {a.workers} worker(s), "
+            f"{a.envs} envs of {a.env} over {via}",
             flush=True,
         )
         with _fleet(a, server.address, local) as fleet:

@@ -29,6 +29,7 @@ from typing import Any
 
 from edgerl.edge_server.batcher import no_wakeup_preemption
 from edgerl.edge_server.server import BindError, ServerConfig
+from edgerl.launch.checkpoints import load_checkpoint
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -219,15 +220,22 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
         if policy.checkpoint:
             from edgerl.models.llm_actor_critic import served_weights
 
-            payload = _load_checkpoint(policy.checkpoint, LLM_PRESET)
+            payload = load_checkpoint(policy.checkpoint, LLM_PRESET)
             weights = {k: v.numpy() for k, v in served_weights(payload["policy"]).items()}
             llm.load_weights(weights, int(payload["state"]["version"]))
         return llm, spec
     net = build_mlp(policy, spec)
     version = 0
     if policy.checkpoint:
-        payload = _load_checkpoint(policy.checkpoint, "mlp")
-        net.load_state_dict(payload["policy"])
+        payload = load_checkpoint(policy.checkpoint, "mlp")
+        try:
+            net.load_state_dict(payload["policy"])
+        except RuntimeError as exc:  # another preset or env than the checkpoint's
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise ValueError(  # torch's first line only says that loading failed: name the first misfit
+                f"checkpoint {policy.checkpoint}: its weights do not fit policy {policy.preset!r} "
+                f"on {policy.env_name} ({lines[min(1, len(lines) - 1)]})"
+            ) from None
         version = int(payload["state"]["version"])
     backend = TorchPolicyBackend(
         net,
@@ -239,17 +247,6 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
         chunk=policy.chunk,
     )
     return backend, spec
-
-
-def _load_checkpoint(path: str, kind: str) -> dict[str, Any]:
-    """A trainer checkpoint, checked to hold a ``kind`` policy."""
-    import torch
-
-    payload: dict[str, Any] = torch.load(path, weights_only=False)
-    found = payload.get("kind", "mlp")
-    if found != kind:
-        raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
-    return payload
 
 
 def build_replica(policy: PolicySpec, index: int) -> Any:

@@ -227,13 +227,13 @@ def run_training(
     from edgerl.trainer.trainer import Trainer, latest_checkpoint
 
     cfg = cfg.resolved()
+    spec = env_spec(cfg.env)  # an unknown env fails here, before the run folder is written
     run_dir = Path(cfg.run_dir or f"runs/{cfg.env}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-    spec = env_spec(cfg.env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
     torch.set_num_threads(cfg.ppo.torch_threads)
     policy_spec = PolicySpec(
         env_name=cfg.env,
@@ -264,7 +264,8 @@ def run_training(
     )
     t_start = time.monotonic()
     with ServerProcess(policy_spec, ServerConfig(port=0, learner=learner), log_level=log_level) as server:
-        trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume)
+        run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
+        trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume, run_info=run_info)
         worker_cfg = SimWorkerConfig(
             server=server.address,
             env_name=cfg.env,

@@ -34,6 +34,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from edgerl.edge_server.llm_logits import ALLOWED_RANGE, TokenBlockLogitsProcessor
 from edgerl.edge_server.llm_policy import VLLMPolicyBackend, kv_cache_layout, weights_manifest
 from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.launch.checkpoints import read_checkpoint
 from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -257,7 +258,9 @@ def test_edgerl_train_llm_moves_the_return_and_resumes_into_the_engine(
     assert all(r["charts/served_version"] == r["charts/policy_version"] for r in rows)
     assert all(r["perf/publish_swap_us"] > 0 for r in rows)
     assert rows[-1]["losses/entropy"] < rows[0]["losses/entropy"]  # the token distribution sharpened
-    assert torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)["kind"] == "llm"
+    info = read_checkpoint(str(run_dir))  # what edgerl serve --checkpoint RUN_DIR serves
+    assert (info.kind, info.policy, info.env) == ("llm", "llm", "InvertedPendulum-v5")
+    assert info.model == str(model_dir) and info.version == summary["policy_version"]
 
     # --resume: the server starts the engine on the checkpoint's weights and version, so the
     # first episodes already score like the last ones (a fresh engine would score ~5).

@@ -50,6 +50,15 @@ def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> N
     config = json.loads((run_dir / "config.json").read_text())
     assert config["ppo"]["batch_steps"] == config["envs"] * config["segment_steps"]
 
+    # The trained policy, served again from its run folder: its env, preset and version come
+    # from the checkpoint, and it still balances the pendulum (random play: ~5-10).
+    out = tmp_path / "rollout.json"
+    rollout = [*EDGERL, "rollout", "--checkpoint", str(run_dir), "--envs", "8", "--workers", "1"]
+    subprocess.run([*rollout, "--steps", "24000", "--json", str(out)], check=True, timeout=300)
+    served = json.loads(out.read_text())
+    assert served["server"]["policy_version"] == summary["policy_version"]
+    assert served["episodes"] >= 8 and served["return_mean_last20"] >= 300, served
+
 
 def test_workers_that_start_late_still_join_a_full_window(tmp_path: Path) -> None:
     # A window of 8 steps: the first worker up fills it in 4 steps of its 2 envs, long before
@@ -147,3 +156,21 @@ def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: 
     assert result["ratios"]["async/sync steps_per_s"] == pytest.approx(
         result["steps_per_s"] / result["sync"]["steps_per_s"], rel=1e-2
     )
+
+
+def test_a_run_that_cannot_start_writes_no_run_folder(tmp_path: Path) -> None:
+    cases = [
+        (["--env", "NoSuchEnv-v0"], "env 'NoSuchEnv-v0'"),
+        (["--resume", "--run-dir", "runs/never-trained"], "--resume: no checkpoint in runs/never-trained"),
+    ]
+    for args, reason in cases:
+        out = subprocess.run(
+            [*EDGERL, "train", "--steps", "100", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 2 and reason in out.stderr.splitlines()[-1], out.stderr
+        assert not (tmp_path / "runs").exists()  # nothing for the user to clean up

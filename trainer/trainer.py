@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,7 +154,11 @@ class TrainerState:
 
 
 class Trainer:
-    """PPO on transitions streamed by an edge server at ``server``."""
+    """PPO on transitions streamed by an edge server at ``server``.
+
+    ``run_info`` (``env``, ``policy``, ``model``: what the policy was built for) goes into every
+    checkpoint, so that ``edgerl serve --checkpoint`` can serve it without being told again.
+    """
 
     def __init__(
         self,
@@ -166,8 +170,10 @@ class Trainer:
         resume: bool = False,
         tensorboard: bool = True,
         security: ClientSecurity | None = None,
+        run_info: Mapping[str, str] | None = None,
     ) -> None:
         self.config = cfg = config
+        self.run_info = dict(run_info or {})
         self.security = security or ClientSecurity()
         torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
@@ -402,6 +408,7 @@ class Trainer:
             "state": dataclasses.asdict(self.state),
             "reward_rms": self.scaler.rms.state() if self.scaler else None,
             "config": dataclasses.asdict(self.config),
+            "run": self.run_info,
             **self.policy.checkpoint_meta(),
         }
         tmp = path.with_suffix(".tmp")

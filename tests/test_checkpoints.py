@@ -1,0 +1,154 @@
+"""Trainer checkpoints served by ``edgerl serve --checkpoint`` / ``edgerl rollout --checkpoint``:
+what a checkpoint says it holds, the options it refuses, and a real server on its weights."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgerl.launch.checkpoints import read_checkpoint
+from edgerl.launch.processes import PolicySpec, build_backend
+from edgerl.models import GaussianMLPPolicy, build_policy, gaussian_log_prob
+from edgerl.robot_client.client import EdgeClient
+from edgerl.sim.envs import env_spec
+from edgerl.trainer.trainer import Trainer, TrainerConfig
+from tests.helpers import random_batch
+
+EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+CHEETAH = env_spec("HalfCheetah-v5")  # 17 observation values, 6 action values
+
+
+def _trained(run_dir: Path, *, run_info: dict[str, str] | None, updates: int = 2) -> Trainer:
+    """A trainer on HalfCheetah-sized ``mlp-small`` that made ``updates`` updates (one version
+    each) on random batches and saved a checkpoint after each."""
+    config = TrainerConfig(batch_steps=64, minibatch_size=32, epochs=1, keep_checkpoints=5)
+    net = build_policy("mlp-small", 17, 6, seed=0)
+    trainer = Trainer(config, net, "unused:0", run_dir, tensorboard=False, run_info=run_info)
+    rng = np.random.default_rng(0)
+    for _ in range(updates):
+        trainer.update(random_batch(rng, 64, 17, 6))
+        trainer.state.version += 1  # what a publish does
+        trainer.save_checkpoint()
+    return trainer
+
+
+RUN_INFO = {"env": "HalfCheetah-v5", "policy": "mlp-small", "model": ""}
+
+
+def test_a_run_folder_serves_its_newest_checkpoint_and_says_what_it_holds(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _trained(run, run_info=RUN_INFO, updates=3)
+    info = read_checkpoint(str(run))
+    assert Path(info.path) == run / "checkpoints" / "ckpt-00000003.pt"  # the newest of three
+    assert (info.kind, info.version, info.env, info.policy) == ("mlp", 3, "HalfCheetah-v5", "mlp-small")
+    assert (info.obs_dim, info.act_dim) == (17, 6)
+    older = read_checkpoint(str(run / "checkpoints" / "ckpt-00000001.pt"))  # a file: that one
+    assert older.version == 1 and older.env == "HalfCheetah-v5"
+
+
+def test_a_checkpoint_from_before_the_run_was_recorded_names_its_preset_by_its_sizes(tmp_path: Path) -> None:
+    _trained(tmp_path / "run", run_info=None)
+    info = read_checkpoint(str(tmp_path / "run"))
+    assert (info.env, info.policy, info.version) == ("", "mlp-small", 2)
+    info.check_serves("HalfCheetah-v5", "mlp-small", CHEETAH.obs_shape, CHEETAH.act_shape)
+    hopper = env_spec("Hopper-v5")  # no env recorded: the spaces still have to fit
+    with pytest.raises(ValueError, match=r"--env Hopper-v5: its observations have shape \[11\]; .* has 17"):
+        info.check_serves("Hopper-v5", "mlp-small", hopper.obs_shape, hopper.act_shape)
+
+
+def test_options_the_checkpoint_cannot_serve_are_refused_naming_them(tmp_path: Path) -> None:
+    _trained(tmp_path / "run", run_info=RUN_INFO)
+    info = read_checkpoint(str(tmp_path / "run"))
+    shapes = (CHEETAH.obs_shape, CHEETAH.act_shape)
+    with pytest.raises(
+        ValueError, match=r"^--env Ant-v5: checkpoint .*ckpt-00000002.pt was trained on HalfCheetah"
+    ):
+        info.check_serves("Ant-v5", "mlp-small", *shapes)
+    with pytest.raises(ValueError, match=r"^--policy mlp: checkpoint .* holds policy 'mlp-small'"):
+        info.check_serves("HalfCheetah-v5", "mlp", *shapes)
+    with pytest.raises(ValueError, match=r"^--policy llm: checkpoint .* holds policy 'mlp-small'"):
+        info.check_serves("HalfCheetah-v5", "llm", *shapes)
+
+
+def test_paths_that_hold_no_checkpoint_say_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        read_checkpoint(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="a folder without checkpoints/"):
+        read_checkpoint(str(tmp_path))
+    text = tmp_path / "notes.pt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(ValueError, match=r"notes\.pt: not a trainer checkpoint"):
+        read_checkpoint(str(text))
+    weights_only = tmp_path / "weights.pt"
+    torch.save(build_policy("mlp-small", 17, 6).state_dict(), weights_only)
+    with pytest.raises(
+        ValueError, match=r"weights.pt: not a trainer checkpoint \(no policy weights and state\)"
+    ):
+        read_checkpoint(str(weights_only))
+
+
+def test_the_backend_serves_the_checkpoint_s_weights_and_version(tmp_path: Path) -> None:
+    trainer = _trained(tmp_path / "run", run_info=RUN_INFO)
+    path = read_checkpoint(str(tmp_path / "run")).path
+    backend, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp-small", checkpoint=path))
+    fresh, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp-small"))
+    try:
+        assert backend.version == 2 and fresh.version == 0
+        obs = torch.from_numpy(np.random.default_rng(1).normal(size=(4, 17)).astype(np.float32))
+        served = backend.infer(obs.numpy())
+
+        def log_prob(module: GaussianMLPPolicy) -> np.ndarray:  # of the served actions, under module
+            with torch.no_grad():
+                mean, log_std = module.distribution(obs)
+                return gaussian_log_prob(mean, log_std, torch.from_numpy(served.actions)).numpy()
+
+        trained = trainer.policy.module
+        assert isinstance(trained, GaussianMLPPolicy)
+        np.testing.assert_allclose(served.log_probs, log_prob(trained), rtol=1e-5, atol=1e-5)
+        untrained = build_policy("mlp-small", 17, 6, seed=0)  # where the trainer started
+        assert np.abs(served.log_probs - log_prob(untrained)).max() > 1e-3  # 100x the match's tolerance
+    finally:
+        backend.close()
+        fresh.close()
+    with pytest.raises(ValueError, match=r"do not fit policy 'mlp' on HalfCheetah-v5 \(size mismatch"):
+        build_backend(PolicySpec("HalfCheetah-v5", "mlp", checkpoint=path))
+
+
+def test_edgerl_serve_serves_a_run_folder_with_its_env_policy_and_version(tmp_path: Path) -> None:
+    _trained(tmp_path / "run", run_info=RUN_INFO)
+    refused = subprocess.run(
+        [*EDGERL, "serve", "--port", "0", "--checkpoint", str(tmp_path / "run"), "--env", "Hopper-v5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("ckpt-00000002.pt was trained on HalfCheetah-v5"), refused.stderr
+
+    proc = subprocess.Popen(
+        [*EDGERL, "serve", "--port", "0", "--checkpoint", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        assert first.startswith("edgerl: serving HalfCheetah-v5 on "), first  # the checkpoint's env
+        assert second.startswith("edgerl: policy mlp-small, version 2 from "), second
+
+        async def describe() -> tuple[int, tuple[int, ...]]:
+            async with EdgeClient(first.split()[-1], timeout_s=30.0) as client:
+                info = await client.describe()
+            return info.policy_version, info.obs_shape
+
+        assert asyncio.run(describe()) == (2, (17,))
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
