@@ -505,7 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_options(p, steps_help="env steps to learn from (default: 100,000, or the env's config file")
     p.add_argument("--sync", action="store_true", help="synchronous lockstep baseline (staleness 0)")
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its last checkpoint, with its own settings (its "
+        "config.json; options given again win, e.g. a larger --steps)",
     )
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
     _add_common(p)
@@ -563,7 +566,13 @@ def _train_config(a: argparse.Namespace) -> RunConfig:
     flags["run_dir"] = getattr(a, "run_dir", None)
     if getattr(a, "sync", False) and a.command == "train":
         flags["sync"] = True
-    cfg, sources = load_config(getattr(a, "env", None), getattr(a, "config", None), flags, a.set)
+    resume = None
+    if getattr(a, "resume", False):
+        if not flags["run_dir"]:
+            raise ValueError("--resume needs --run-dir (the run to continue)")
+        resume = flags["run_dir"]
+    env, file = getattr(a, "env", None), getattr(a, "config", None)
+    cfg, sources = load_config(env, file, flags, a.set, resume=resume)
     print(f"edgerl: config from {' < '.join(sources)}", file=sys.stderr)
     return cfg
 
@@ -572,8 +581,6 @@ def _train(a: argparse.Namespace) -> int:
     from edgerl.launch.train import run_training
 
     cfg = _train_config(a)
-    if a.resume and not cfg.run_dir:
-        raise ValueError("--resume needs --run-dir (the run to continue)")
     return _report(run_training(cfg, resume=a.resume, log_level=a.log_level), a.json)
 
 

@@ -5,6 +5,7 @@ Configuration is one :class:`RunConfig` (with the trainer's
 from, in increasing priority: the dataclass defaults, a TOML file (``--config``,
 or the tuned file shipped for the env in ``launch/configs/``), the command-line
 flags, and ``--set key=value`` overrides (e.g. ``--set ppo.learning_rate=1e-3``).
+A resumed run starts from its own ``config.json`` instead of the first two.
 """
 
 from __future__ import annotations
@@ -169,12 +170,32 @@ def config_file_for(env: str, policy: str | None = None) -> Path | None:
 
 
 def load_config(
-    env: str | None, file: str | None, flags: Mapping[str, Any], sets: list[str]
+    env: str | None,
+    file: str | None,
+    flags: Mapping[str, Any],
+    sets: list[str],
+    resume: str | Path | None = None,
 ) -> tuple[RunConfig, list[str]]:
-    """Defaults, then the file, then explicit flags, then ``--set`` pairs. Returns (config, sources)."""
-    cfg = RunConfig() if env is None else RunConfig(env=env)
-    sources = ["defaults"]
-    path = Path(file) if file else config_file_for(cfg.env, flags.get("policy"))
+    """Defaults, then the file, then explicit flags, then ``--set`` pairs. Returns (config, sources).
+
+    With ``resume`` (the folder of a run to continue), the run's own ``config.json`` takes the
+    place of the defaults and the env's tuned file: a resumed run keeps its settings, but for
+    those given again (``--steps``, to train it further). Its env and policy cannot change.
+    """
+    if resume is None:
+        cfg = RunConfig() if env is None else RunConfig(env=env)
+        sources = ["defaults"]
+        path = Path(file) if file else config_file_for(cfg.env, flags.get("policy"))
+    else:
+        saved = Path(resume) / "config.json"
+        if not saved.exists():
+            raise FileNotFoundError(f"--resume: no run in {resume} (it has no config.json)")
+        cfg = apply_overrides(RunConfig(), json.loads(saved.read_text()), str(saved))
+        for option, given, kept in (("--env", env, cfg.env), ("--policy", flags.get("policy"), cfg.policy)):
+            if given is not None and given != kept:
+                raise ValueError(f"{option} {given}: the run in {resume} trains {kept}")
+        sources = [str(saved)]
+        path = Path(file) if file else None
     if path is not None:
         if not path.exists():
             raise FileNotFoundError(f"--config: {path} does not exist")

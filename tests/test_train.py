@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -77,7 +78,9 @@ def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> No
     assert first["mode"] == "sync" and first["lag_max"] == 0 and first["stale_fraction"] == 0
     assert first["policy_version"] == first["updates"] == 1024 // 128
     assert len(first["worker_steps"]) == 2 and min(first["worker_steps"]) >= 1024 // 2
-    again = _train([*common, "--steps", "2048", "--resume"], tmp_path, "again")
+    # only the run and a longer --steps: the run's own config keeps sync, its envs and segments
+    again = _train(["--run-dir", run_dir, "--steps", "2048", "--resume"], tmp_path, "again")
+    assert again["mode"] == "sync" and again["env"] == "InvertedPendulum-v5"
     assert again["policy_version"] == 2048 // 128  # continues from 8, not from 0
     assert again["env_steps"] == 2048
     rows = _metrics(Path(run_dir))
@@ -103,6 +106,22 @@ def test_ctrl_c_or_sigterm_stops_everything_cleanly(stop: signal.Signals, tmp_pa
     assert summary["interrupted"] is True and summary["updates"] >= 3
     assert (run_dir / "checkpoints" / "latest.pt").exists()
     assert "Traceback" not in err
+
+
+def test_a_resumed_run_keeps_its_own_config_but_for_what_is_given_again(tmp_path: Path) -> None:
+    first, _ = load_config("Hopper-v5", None, {"envs": 8, "steps": 5000}, ["ppo.epochs=3", "sync=true"])
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(first)))  # as a run writes it
+    cfg, sources = load_config(None, None, {"steps": 20_000}, ["ppo.clip=0.1"], resume=tmp_path)
+    assert sources == [str(tmp_path / "config.json"), "flags", "--set"]  # not the defaults, nor Hopper's file
+    told = dataclasses.replace(first, steps=20_000, ppo=dataclasses.replace(first.ppo, clip=0.1))
+    assert cfg == told.resolved()
+    assert cfg.ppo.total_steps == 20_000  # the schedule follows the new length
+    with pytest.raises(ValueError, match=rf"^--env Walker2d-v5: the run in {tmp_path} trains Hopper-v5$"):
+        load_config("Walker2d-v5", None, {}, [], resume=tmp_path)
+    with pytest.raises(ValueError, match=r"^--policy mlp-large: .* trains mlp-small$"):
+        load_config("Hopper-v5", None, {"policy": "mlp-large"}, [], resume=tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"--resume: no run in .*elsewhere \(it has no config.json\)"):
+        load_config(None, None, {}, [], resume=tmp_path / "elsewhere")
 
 
 def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
@@ -161,7 +180,7 @@ def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: 
 def test_a_run_that_cannot_start_writes_no_run_folder(tmp_path: Path) -> None:
     cases = [
         (["--env", "NoSuchEnv-v0"], "env 'NoSuchEnv-v0'"),
-        (["--resume", "--run-dir", "runs/never-trained"], "--resume: no checkpoint in runs/never-trained"),
+        (["--resume", "--run-dir", "runs/never-trained"], "--resume: no run in runs/never-trained"),
     ]
     for args, reason in cases:
         out = subprocess.run(
