@@ -11,22 +11,16 @@ LLM_KIND = "llm"
 
 
 def load_checkpoint(path: str | Path, kind: str = "") -> dict[str, Any]:
-    """The payload of the trainer checkpoint at ``path``, checked to hold a ``kind`` policy
+    """The payload of the trainer checkpoint at ``path`` (read with torch's weights-only
+    unpickler: :func:`~edgerl.trainer.trainer.load_payload`), checked to hold a ``kind`` policy
     (``"mlp"`` or ``"llm"``; empty: either).
 
     Raises:
         ValueError: the file is not a trainer checkpoint, or holds another kind of policy.
     """
-    import pickle
+    from edgerl.trainer.trainer import load_payload
 
-    import torch
-
-    try:
-        payload = torch.load(path, weights_only=False, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({_first_line(exc)})") from None
-    if not isinstance(payload, dict) or "policy" not in payload or "state" not in payload:
-        raise ValueError(f"checkpoint {path}: not a trainer checkpoint (no policy weights and state)")
+    payload = load_payload(path)
     found = payload.get("kind", "mlp")
     if kind and found != kind:
         raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
@@ -122,7 +116,3 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         obs_dim=int(weights["obs_norm.mean"].shape[0]) if mlp else 0,
         act_dim=int(weights["actor_log_std"].shape[0]) if mlp else 0,
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

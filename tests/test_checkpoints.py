@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,6 +92,29 @@ def test_paths_that_hold_no_checkpoint_say_so(tmp_path: Path) -> None:
         ValueError, match=r"weights.pt: not a trainer checkpoint \(no policy weights and state\)"
     ):
         read_checkpoint(str(weights_only))
+
+
+class _RunsCode:
+    """Unpickled by a full unpickler, it creates ``marker``: what a hostile checkpoint could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path: Path) -> None:
+    trainer = _trained(tmp_path / "run", run_info=RUN_INFO)
+    newest = read_checkpoint(str(tmp_path / "run")).path
+    payload = torch.load(newest, weights_only=True)  # what the trainer wrote reads as plain data
+    marker = tmp_path / "ran"
+    torch.save({**payload, "extra": _RunsCode(marker)}, newest)
+    with pytest.raises(ValueError, match=r"GLOBAL .*could run code when read: refused$"):
+        read_checkpoint(str(tmp_path / "run"))  # edgerl serve / rollout --checkpoint
+    with pytest.raises(ValueError, match="could run code when read: refused"):
+        Trainer(trainer.config, build_policy("mlp-small", 17, 6), "unused:0", tmp_path / "run", resume=True)
+    assert not marker.exists()
 
 
 def test_the_backend_serves_the_checkpoint_s_weights_and_version(tmp_path: Path) -> None:

@@ -125,8 +125,9 @@ class FlatAdam:
             "kind": "flat_adam",
             "lr": self.param_groups[0]["lr"],
             "steps": self.steps,
-            "exp_avg": self.exp_avg.copy(),
-            "exp_avg_sq": self.exp_avg_sq.copy(),
+            # tensors, not arrays: checkpoints hold nothing torch's weights-only reader refuses
+            "exp_avg": torch.from_numpy(self.exp_avg.copy()),
+            "exp_avg_sq": torch.from_numpy(self.exp_avg_sq.copy()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,8 +135,8 @@ class FlatAdam:
             raise ValueError("optimizer state: not a FlatAdam state of this network")
         self.param_groups[0]["lr"] = state["lr"]
         self.steps = int(state["steps"])
-        self.exp_avg[:] = state["exp_avg"]
-        self.exp_avg_sq[:] = state["exp_avg_sq"]
+        self.exp_avg[:] = np.asarray(state["exp_avg"])
+        self.exp_avg_sq[:] = np.asarray(state["exp_avg_sq"])
 
 
 @dataclass(frozen=True)

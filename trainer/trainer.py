@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -422,7 +423,7 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        payload = torch.load(path, weights_only=False)
+        payload = load_payload(path)
         kind = payload.get("kind", "mlp")
         if kind != self.policy.kind:
             raise ValueError(f"{path}: a checkpoint of a {kind} policy, not of a {self.policy.kind} policy")
@@ -438,6 +439,46 @@ class Trainer:
         if self.scaler is not None and payload.get("reward_rms"):
             self.scaler.rms.load(payload["reward_rms"])
         log.info("resumed from %s at version %d", path, self.state.version)
+
+
+def load_payload(path: str | Path) -> dict[str, Any]:
+    """The contents of the checkpoint at ``path``, read with torch's weights-only unpickler:
+    tensors and plain values only, so that a checkpoint from elsewhere runs no code when read.
+
+    Raises:
+        ValueError: the file is no trainer checkpoint, or holds other objects (left unread).
+    """
+    try:
+        payload = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        reason = _unpickler_reason(str(exc))
+        if "GLOBAL" in reason:  # a class or function to import and call: nothing of a checkpoint's
+            raise ValueError(
+                f"checkpoint {path}: holds objects other than tensors and plain values "
+                f"({reason}), which could run code when read: refused"
+            ) from None
+        raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({reason})") from None
+    except (RuntimeError, EOFError, OSError) as exc:  # not a zip of torch's, or cut short
+        raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({_first_line(exc)})") from None
+    if not isinstance(payload, dict) or "policy" not in payload or "state" not in payload:
+        raise ValueError(f"checkpoint {path}: not a trainer checkpoint (no policy weights and state)")
+    return payload
+
+
+_TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
+
+
+def _unpickler_reason(message: str) -> str:
+    """The reason in the message of torch's weights-only unpickler, without its advice around it."""
+    lines = [line.split("WeightsUnpickler error:")[-1].strip() for line in message.splitlines()]
+    found = [line for line in lines if "GLOBAL" in line] or [
+        line for line in lines if line and not line.startswith(_TORCH_ADVICE)
+    ]
+    return found[0].split(" was not")[0].removesuffix(".") if found else "unreadable"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
