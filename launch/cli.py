@@ -24,7 +24,7 @@ from edgerl.launch.bench_throughput import (
     REPLICAS_ABOVE,
     write_json,
 )
-from edgerl.launch.checkpoints import read_checkpoint
+from edgerl.launch.checkpoints import LLM_KIND, read_checkpoint
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
@@ -615,7 +615,7 @@ def _served_policy(a: argparse.Namespace) -> tuple[PolicySpec, str]:
         return PolicySpec.from_options(a, replicas=a.replicas), f"policy {a.policy}, fresh weights"
     spec = env_spec(a.env)
     info.check_serves(a.env, a.policy, spec.obs_shape, spec.act_shape)
-    if info.kind == LLM_PRESET:
+    if info.kind == LLM_KIND:
         a.model = a.model or info.model
         if a.model and not os.path.isdir(a.model):
             raise FileNotFoundError(f"--model {a.model}: no such folder (the checkpoint's base model)")
