@@ -5,26 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 LLM_KIND = "llm"
-
-
-def load_checkpoint(path: str | Path, kind: str = "") -> dict[str, Any]:
-    """The payload of the trainer checkpoint at ``path`` (read with torch's weights-only
-    unpickler: :func:`~edgerl.trainer.trainer.load_payload`), checked to hold a ``kind`` policy
-    (``"mlp"`` or ``"llm"``; empty: either).
-
-    Raises:
-        ValueError: the file is not a trainer checkpoint, or holds another kind of policy.
-    """
-    from edgerl.trainer.trainer import load_payload
-
-    payload = load_payload(path)
-    found = payload.get("kind", "mlp")
-    if kind and found != kind:
-        raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
-    return payload
 
 
 @dataclass(frozen=True)
@@ -82,7 +64,7 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         ValueError: the file is not a trainer checkpoint.
     """
     from edgerl.models import POLICY_PRESETS
-    from edgerl.trainer.trainer import CHECKPOINT_DIR, latest_checkpoint
+    from edgerl.trainer.trainer import CHECKPOINT_DIR, latest_checkpoint, load_payload
 
     file = Path(path)
     if file.is_dir():
@@ -95,7 +77,7 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         file = newest
     elif not file.exists():
         raise FileNotFoundError(f"checkpoint {path}: no such file or folder")
-    payload = load_checkpoint(file)
+    payload = load_payload(file)
     kind = str(payload.get("kind", "mlp"))
     run = payload.get("run") or {}
     weights = payload["policy"]

@@ -29,7 +29,6 @@ from typing import Any
 
 from edgerl.edge_server.batcher import no_wakeup_preemption
 from edgerl.edge_server.server import BindError, ServerConfig
-from edgerl.launch.checkpoints import load_checkpoint
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 log = logging.getLogger(__name__)
@@ -193,6 +192,7 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
 
     from edgerl.edge_server.policy import TorchPolicyBackend
     from edgerl.sim.envs import env_spec
+    from edgerl.trainer.trainer import load_payload
 
     torch.set_num_threads(policy.torch_threads)
     spec = env_spec(policy.env_name)
@@ -220,14 +220,14 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
         if policy.checkpoint:
             from edgerl.models.llm_actor_critic import served_weights
 
-            payload = load_checkpoint(policy.checkpoint, LLM_PRESET)
+            payload = load_payload(policy.checkpoint, LLM_PRESET)
             weights = {k: v.numpy() for k, v in served_weights(payload["policy"]).items()}
             llm.load_weights(weights, int(payload["state"]["version"]))
         return llm, spec
     net = build_mlp(policy, spec)
     version = 0
     if policy.checkpoint:
-        payload = load_checkpoint(policy.checkpoint, "mlp")
+        payload = load_payload(policy.checkpoint, "mlp")
         try:
             net.load_state_dict(payload["policy"])
         except RuntimeError as exc:  # another preset or env than the checkpoint's

@@ -423,10 +423,7 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path: Path) -> None:
-        payload = load_payload(path)
-        kind = payload.get("kind", "mlp")
-        if kind != self.policy.kind:
-            raise ValueError(f"{path}: a checkpoint of a {kind} policy, not of a {self.policy.kind} policy")
+        payload = load_payload(path, self.policy.kind)
         self.policy.module.load_state_dict(payload["policy"])
         try:
             self.optimizer.load_state_dict(payload["optimizer"])
@@ -441,12 +438,14 @@ class Trainer:
         log.info("resumed from %s at version %d", path, self.state.version)
 
 
-def load_payload(path: str | Path) -> dict[str, Any]:
+def load_payload(path: str | Path, kind: str = "") -> dict[str, Any]:
     """The contents of the checkpoint at ``path``, read with torch's weights-only unpickler:
     tensors and plain values only, so that a checkpoint from elsewhere runs no code when read.
+    With ``kind`` (``"mlp"`` or ``"llm"``), checked to hold a policy of that kind.
 
     Raises:
-        ValueError: the file is no trainer checkpoint, or holds other objects (left unread).
+        ValueError: the file is no trainer checkpoint, holds other objects (left unread), or
+            holds another kind of policy.
     """
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu")
@@ -462,6 +461,9 @@ def load_payload(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({_first_line(exc)})") from None
     if not isinstance(payload, dict) or "policy" not in payload or "state" not in payload:
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint (no policy weights and state)")
+    found = payload.get("kind", "mlp")
+    if kind and found != kind:
+        raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
     return payload
 
 
