@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -69,18 +70,29 @@ print(json.dumps({"steps": timer.number, "seconds": timer.duration,
 """
 
 
-def _step_timer(case: str) -> dict[str, Any]:
-    """MjData's mj_step timer after 3 steps in a fresh process (the set-up is process-wide): its
-    ``steps`` and ``seconds``, and whether the timer callback is still the probe's ``own``."""
+def _step_timer(case: str, cwd: Path) -> dict[str, Any]:
+    """MjData's mj_step timer after 3 steps in a fresh process (the set-up is process-wide) run in
+    ``cwd``: its ``steps`` and ``seconds``, whether the timer callback is still the probe's
+    ``own``, and whether MuJoCo wrote its warnings to a ``log`` file there."""
+    cwd.mkdir()
     out = subprocess.run(
-        [sys.executable, "-c", _TIMER_PROBE, case], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", _TIMER_PROBE, case],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=cwd,
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["log"] = (cwd / "MUJOCO_LOG.TXT").exists()
     return result
 
 
-def test_envs_step_without_mujocos_stage_timers_unless_a_callback_of_the_users_is_set() -> None:
-    raw, prepared, own = _step_timer("raw"), _step_timer("prepared"), _step_timer("own-timer")
+def test_envs_step_without_mujocos_stage_timers_unless_a_callback_of_the_users_is_set(tmp_path: Path) -> None:
+    raw, prepared, own = (_step_timer(case, tmp_path / case) for case in ("raw", "prepared", "own-timer"))
+    # HalfCheetah's 'settotalmass' warning: MuJoCo's default writes it to MUJOCO_LOG.TXT in the
+    # working folder; prepared, it goes to logging (and this one is dropped), no file is written.
+    assert raw["log"] and not prepared["log"] and not own["log"]
     # 3 env steps of HalfCheetah's frame_skip 5: 15 mj_step calls, counted in every case.
     assert raw["steps"] == prepared["steps"] == own["steps"] == 15
     assert raw["seconds"] > 0  # the mujoco package's own timer, on by default
