@@ -77,7 +77,7 @@ def read_checkpoint(path: str) -> CheckpointInfo:
         file = newest
     elif not file.exists():
         raise FileNotFoundError(f"checkpoint {path}: no such file or folder")
-    payload = load_payload(file)
+    payload = load_payload(file, mmap=True)  # a few fields and shapes: no tensor is read
     kind = str(payload.get("kind", "mlp"))
     run = payload.get("run") or {}
     weights = payload["policy"]

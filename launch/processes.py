@@ -220,14 +220,14 @@ def build_backend(policy: PolicySpec, sampling_seed: int | None = None) -> tuple
         if policy.checkpoint:
             from edgerl.models.llm_actor_critic import served_weights
 
-            payload = load_payload(policy.checkpoint, LLM_PRESET)
+            payload = load_payload(policy.checkpoint, LLM_PRESET, mmap=True)
             weights = {k: v.numpy() for k, v in served_weights(payload["policy"]).items()}
             llm.load_weights(weights, int(payload["state"]["version"]))
         return llm, spec
     net = build_mlp(policy, spec)
     version = 0
     if policy.checkpoint:
-        payload = load_payload(policy.checkpoint, "mlp")
+        payload = load_payload(policy.checkpoint, "mlp", mmap=True)
         try:
             net.load_state_dict(payload["policy"])
         except RuntimeError as exc:  # another preset or env than the checkpoint's

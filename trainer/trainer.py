@@ -438,17 +438,21 @@ class Trainer:
         log.info("resumed from %s at version %d", path, self.state.version)
 
 
-def load_payload(path: str | Path, kind: str = "") -> dict[str, Any]:
+def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dict[str, Any]:
     """The contents of the checkpoint at ``path``, read with torch's weights-only unpickler:
     tensors and plain values only, so that a checkpoint from elsewhere runs no code when read.
     With ``kind`` (``"mlp"`` or ``"llm"``), checked to hold a policy of that kind.
+
+    With ``mmap``, the tensors are mapped from the file rather than read: a reader that needs a
+    few fields, or the policy's weights only, reads just those pages, not the optimizer state
+    (two thirds of a trainer checkpoint). The file must then stay unchanged while they are used.
 
     Raises:
         ValueError: the file is no trainer checkpoint, holds other objects (left unread), or
             holds another kind of policy.
     """
     try:
-        payload = torch.load(path, weights_only=True, map_location="cpu")
+        payload = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
         reason = _unpickler_reason(str(exc))
         if "GLOBAL" in reason:  # a class or function to import and call: nothing of a checkpoint's
