@@ -604,16 +604,16 @@ def _served_policy(a: argparse.Namespace) -> tuple[PolicySpec, str]:
     model fill the options not given (set on ``a``).
 
     Raises:
-        ValueError: naming the option that the checkpoint cannot serve.
+        ValueError: the env is unknown, or naming the option that the checkpoint cannot serve.
     """
     from edgerl.sim.envs import env_spec
 
     info = read_checkpoint(a.checkpoint) if a.checkpoint else None
     a.env = a.env or (info and info.env) or DEFAULT_ENV
     a.policy = a.policy or (info and info.policy) or "mlp"
+    spec = env_spec(a.env)  # an unknown env is refused here, before a server process starts
     if info is None:
         return PolicySpec.from_options(a, replicas=a.replicas), f"policy {a.policy}, fresh weights"
-    spec = env_spec(a.env)
     info.check_serves(a.env, a.policy, spec.obs_shape, spec.act_shape)
     if info.kind == LLM_KIND:
         a.model = a.model or info.model

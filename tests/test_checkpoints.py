@@ -144,6 +144,23 @@ def test_the_backend_serves_the_checkpoint_s_weights_and_version(tmp_path: Path)
         build_backend(PolicySpec("HalfCheetah-v5", "mlp", checkpoint=path))
 
 
+def test_a_server_that_cannot_load_the_checkpoint_fails_its_rollout_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint that says it holds ``mlp`` but holds ``mlp-small`` weights passes the command's
+    checks (the env and spaces fit); the server process then fails to load it, and says why."""
+    _trained(tmp_path / "run", run_info={**RUN_INFO, "policy": "mlp"})
+    out = subprocess.run(
+        [*EDGERL, "rollout", "--checkpoint", str(tmp_path / "run"), "--envs", "2", "--seconds", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    line = out.stderr.splitlines()[-1]
+    assert line.startswith("edgerl: error: edge server failed to start: ValueError: checkpoint "), line
+    assert "its weights do not fit policy 'mlp' on HalfCheetah-v5 (size mismatch" in line, line
+
+
 def test_edgerl_serve_serves_a_run_folder_with_its_env_policy_and_version(tmp_path: Path) -> None:
     _trained(tmp_path / "run", run_info=RUN_INFO)
     refused = subprocess.run(

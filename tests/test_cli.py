@@ -219,9 +219,14 @@ def test_a_taken_port_is_a_one_line_error() -> None:
     assert line.startswith(f"edgerl: error: could not bind 127.0.0.1:{port}: the port is in use"), line
 
 
+def test_an_unknown_env_is_refused_before_a_server_starts() -> None:
+    for command in (["rollout"], ["serve", "--port", "0"]):
+        line = _refused(*command, "--env", "NoSuchEnv-v0").splitlines()[-1]
+        assert line == "edgerl: error: env 'NoSuchEnv-v0': Environment `NoSuchEnv` doesn't exist.", line
+
+
 def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
-    line = _failed("rollout", "--env", "NoSuchEnv-v0", "--envs", "2")
-    assert line.startswith("edgerl: error: edge server failed to start: ValueError: env 'NoSuchEnv-v0'"), line
+    # a server that cannot start: test_checkpoints' mislabeled checkpoint
     line = _failed("sim", "--server", "127.0.0.1:1", "--env", "NoSuchEnv-v0", "--envs", "2")
     assert line.startswith("edgerl: error: sim worker exited with codes [1]; sim/worker-0: ValueError"), line
     assert "env 'NoSuchEnv-v0'" in line
