@@ -13,7 +13,6 @@ each mode's median env steps/s, every run, and the ratios of the medians.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import statistics
@@ -363,9 +362,3 @@ def format_table(result: dict[str, Any]) -> str:
     for k, v in result["ratios"].items():
         lines.append(f"{k:<30}{v:>8.2f}x")
     return "\n".join(lines)
-
-
-def write_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")

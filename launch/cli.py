@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import os
 import signal
 import sys
@@ -16,13 +15,13 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from edgerl.edge_server.server import BindError, ServerConfig
+from edgerl.launch import jsonout
 from edgerl.launch import robot as robot_cli
 from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, PORT, POSITIVE
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
     NETWORK_PROCESS_BELOW,
     REPLICAS_ABOVE,
-    write_json,
 )
 from edgerl.launch.checkpoints import LLM_KIND, read_checkpoint
 from edgerl.launch.processes import (
@@ -592,9 +591,9 @@ def _bench_learn(a: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, steps=1_000_000)
     result = bl.run(cfg, a.seeds, with_sync=a.sync, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(bl.format_table(result), file=sys.stderr)
-    print(json.dumps(result))
+    print(jsonout.dumps(result))
     if a.json:
-        write_json(result, a.json)
+        jsonout.write_json(result, a.json)
     return 0
 
 
@@ -717,8 +716,7 @@ def _report(summary: dict[str, Any], json_path: str | None) -> int:
 
     print(format_summary(summary))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(summary, f, indent=2)
+        jsonout.write_json(summary, json_path)
     return 0
 
 
@@ -733,7 +731,7 @@ def _bag(a: argparse.Namespace) -> int:
     if a.bag == "msg":
         print(bags.STEP_MSG, end="")
     elif a.bag == "info":
-        print(json.dumps(bags.bag_info(a.path), indent=2))
+        print(jsonout.dumps(bags.bag_info(a.path), indent=2))
     else:
         segments = bags.bag_to_segments(a.path, a.segment_steps)
         bags.save_transitions(segments, a.out)
@@ -769,9 +767,9 @@ def _bench_robot(a: argparse.Namespace) -> int:
         log_level="ERROR" if a.log_level == "WARNING" else a.log_level,
     )
     result = br.run_bench_robot(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    print(json.dumps(result, indent=2))
+    print(jsonout.dumps(result, indent=2))
     if a.json:
-        write_json(result, a.json)
+        jsonout.write_json(result, a.json)
     return 0
 
 
@@ -781,9 +779,9 @@ def _bench_throughput(a: argparse.Namespace) -> int:
     cfg = config_from_args(bt.ThroughputConfig, a)
     result = bt.run(cfg, progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(bt.format_table(result), file=sys.stderr)
-    print(json.dumps(result))
+    print(jsonout.dumps(result))
     if a.json:
-        write_json(result, a.json)
+        jsonout.write_json(result, a.json)
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from edgerl.launch import jsonout
 from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, PROBABILITY
 from edgerl.launch.processes import on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
@@ -106,6 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "thread a CPU of its own, and keep an edge server on the same machine off it too",
     )
     p.add_argument("--seconds", type=NON_NEGATIVE, default=0.0, help="run time (0: until Ctrl-C)")
+    p.add_argument(
+        "--connect-timeout-s",
+        type=NON_NEGATIVE,
+        default=10.0,
+        help="how long to wait for the server's stream before the control loop starts; the robots "
+        "then run on fallbacks until it connects (the loop never waits for the server again)",
+    )
     add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
@@ -188,6 +196,7 @@ def runner_config(a: argparse.Namespace, chunk: int = 1) -> RobotRunnerConfig:
         network_process=a.network_process,
         network_cpus=parse_cpus(a.network_cpus, "--network-cpus"),
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
+        connect_timeout_s=a.connect_timeout_s,
     )
 
 
@@ -198,7 +207,7 @@ def _line(stats: list[dict[str, Any]]) -> str:
     return (
         f"ticks {ticks}  fallbacks {fb} ({fb / max(1, ticks):.2%})  "
         f"e-stopped {sum(s['estopped'] for s in stats)}/{len(stats)}  "
-        f"latency p50 {np.median(lat) if lat else float('nan'):.1f} ms  "
+        f"latency p50 {f'{np.median(lat):.1f} ms' if lat else '- (no answer yet)'}  "
         f"version {max(s['policy_version'] for s in stats)}"
     )
 
@@ -235,8 +244,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
-    print(json.dumps({"robots": stats}, indent=2))
+    print(jsonout.dumps({"robots": stats}, indent=2))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"robots": stats}, f, indent=2)
+        jsonout.write_json({"robots": stats}, a.json)
     return 0

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.launch import jsonout
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -352,5 +353,5 @@ def run_training(
         "interrupted": stop.set,
         "run_dir": str(run_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    jsonout.write_json(summary, str(run_dir / "summary.json"))
     return summary

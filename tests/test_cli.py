@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
@@ -78,6 +79,36 @@ def test_version_is_the_installed_package_s(capsys: pytest.CaptureFixture[str]) 
     assert exit_.value.code == 0
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     assert capsys.readouterr().out == f"edgerl {project['version']}\n"
+
+
+def test_results_are_written_as_standard_json(tmp_path: Path) -> None:
+    from edgerl.launch import jsonout
+
+    result = {
+        "unmeasured": float("nan"),
+        "bounds": (float("inf"), -float("inf"), 1.5),
+        "numpy": {"rate": np.float32(0.25), "count": np.int64(3), "nan": np.float64("nan")},
+        "rows": np.arange(3),
+        "flag": True,
+        "name": "x",
+        "none": None,
+    }
+    expected = {
+        "unmeasured": None,
+        "bounds": [None, None, 1.5],
+        "numpy": {"rate": 0.25, "count": 3, "nan": None},
+        "rows": [0, 1, 2],
+        "flag": True,
+        "name": "x",
+        "none": None,
+    }
+    assert json.loads(jsonout.dumps(result)) == expected
+    assert "NaN" not in jsonout.dumps(result) and "Infinity" not in jsonout.dumps(result)
+    jsonout.write_json(result, str(tmp_path / "r.json"))
+    text = (tmp_path / "r.json").read_text()
+    assert text.endswith("}\n") and json.loads(text) == expected
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        jsonout.dumps({"x": object()})
 
 
 def _run_refused(*args: str) -> subprocess.CompletedProcess[str]:

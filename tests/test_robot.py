@@ -364,6 +364,36 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert "edgerl robot: ticks" in capsys.readouterr().out
 
 
+def _strict_json(text: str) -> Any:
+    """``text`` read as every JSON reader reads it: ``NaN`` and ``Infinity`` are refused."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_json(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "robot.json"
+    code = main(  # the deadline and refill given: the server is not asked for its chunk either
+        ["robot", "--server", "127.0.0.1:1", "--robot-arg", "env=InvertedPendulum-v5", "--hz", "50",
+         "--seconds", "1.5", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
+         "--estop-after", "20", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    (r,) = _strict_json(out.read_text())["robots"]
+    assert r["ticks"] >= 50 and r["fallbacks"] == r["ticks"] and r["policy_ticks"] == 0
+    assert r["estopped"] and r["max_consecutive_fallbacks"] == r["ticks"]
+    # no answer, so no latency or action age: null, where Python's json would write NaN
+    assert r["latency_ms_p50"] is None and r["action_age_ms_p99"] is None
+    assert r["tick_jitter_ms_p99"] > 0  # the loop's own timing was measured
+    stdout = capsys.readouterr().out
+    assert "latency p50 - (no answer yet)" in stdout
+    assert _strict_json(stdout[stdout.index("{") :]) == {"robots": [r]}  # printed as written
+
+
 def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
     out = tmp_path / "robot.json"
     code = main(
