@@ -57,7 +57,7 @@ class CheckpointInfo:
 
 def read_checkpoint(path: str) -> CheckpointInfo:
     """What the checkpoint at ``path`` holds: a trainer checkpoint file, or a run folder of
-    ``edgerl train`` (its newest checkpoint).
+    ``edgerl train`` or its ``checkpoints/`` folder (the newest checkpoint).
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a folder without checkpoints.
@@ -68,7 +68,8 @@ def read_checkpoint(path: str) -> CheckpointInfo:
 
     file = Path(path)
     if file.is_dir():
-        newest = latest_checkpoint(file)
+        in_run = file.name == CHECKPOINT_DIR and not (file / CHECKPOINT_DIR).is_dir()
+        newest = latest_checkpoint(file.parent if in_run else file)
         if newest is None:
             raise FileNotFoundError(
                 f"checkpoint {path}: a folder without {CHECKPOINT_DIR}/ (give a run folder of "

@@ -127,7 +127,8 @@ def _add_policy(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None
             metavar="PATH",
             default="",
             help="serve the weights and policy version of this trainer checkpoint: a run folder of "
-            "edgerl train (its newest checkpoint) or a checkpoint file (default: none, fresh weights)",
+            "edgerl train or its checkpoints/ folder (the newest checkpoint there), or a checkpoint "
+            "file (default: none, fresh weights)",
         )
         policy_help += f" (default: mlp{_OR_CHECKPOINTS})"
         model_help += f"{_OR_CHECKPOINTS} base model"

@@ -53,6 +53,20 @@ def test_a_run_folder_serves_its_newest_checkpoint_and_says_what_it_holds(tmp_pa
     assert older.version == 1 and older.env == "HalfCheetah-v5"
 
 
+def test_a_copied_run_without_its_latest_link_serves_and_resumes_its_newest(tmp_path: Path) -> None:
+    """``rsync -r`` leaves out the ``latest.pt`` link; the checkpoints folder itself is also taken."""
+    trainer = _trained(tmp_path / "run", run_info=RUN_INFO, updates=3)
+    folder = tmp_path / "run" / "checkpoints"
+    (folder / "latest.pt").unlink()
+    for path in (tmp_path / "run", folder):
+        info = read_checkpoint(str(path))
+        assert (Path(info.path).name, info.version) == ("ckpt-00000003.pt", 3), path
+    resumed = Trainer(
+        trainer.config, build_policy("mlp-small", 17, 6), "unused:0", tmp_path / "run", resume=True
+    )
+    assert resumed.state.version == 3
+
+
 def test_a_checkpoint_from_before_the_run_was_recorded_names_its_preset_by_its_sizes(tmp_path: Path) -> None:
     _trained(tmp_path / "run", run_info=None)
     info = read_checkpoint(str(tmp_path / "run"))

@@ -488,6 +488,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint of a run directory, or None."""
-    latest = Path(run_dir) / CHECKPOINT_DIR / LATEST
-    return latest.resolve() if latest.exists() else None
+    """The newest checkpoint of a run directory, or None: the one its ``checkpoints/latest.pt``
+    names, else (a copy that left the link out, as ``rsync -r`` does) the one of
+    the highest version there."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    latest = folder / LATEST
+    if latest.exists():
+        return latest.resolve()
+    found = sorted(folder.glob("ckpt-*.pt"))  # the version zero-padded: sorted by it
+    return found[-1] if found else None
