@@ -37,6 +37,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -377,13 +378,15 @@ class VLLMPolicyBackend(PolicyBackend):
 
         check_weights(weights, self.manifest)
         t0 = time.perf_counter()
-        save_file(
-            {
+        with warnings.catch_warnings():
+            # weights read from a message or a mapped checkpoint are read-only arrays; the tensors
+            # over them are only read (written to the file), so torch's warning does not apply
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = {
                 k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(self.engine_dtype)
                 for k, v in weights.items()
-            },
-            str(self._weights_dir / "model.safetensors"),
-        )
+            }
+        save_file(tensors, str(self._weights_dir / "model.safetensors"))
 
         def reload() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rosbags.rosbag2 import Reader, StoragePlugin, Writer
+from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
@@ -200,17 +200,30 @@ def read_bag(path: str | Path) -> dict[str, list[BagTick]]:
     """The ticks of every robot in a bag, in tick order.
 
     Raises:
-        ValueError: the bag holds no edgerl robot topics, or a tick lacks one of its messages.
+        FileNotFoundError: no bag at ``path``: nothing there, or a folder without ``metadata.yaml``.
+        ValueError: the bag cannot be read, holds no edgerl robot topics, or a tick lacks one of
+            its messages.
     """
+    folder = Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(f"bag {path}: no such folder")
+    if folder.is_dir() and not (folder / "metadata.yaml").exists():
+        raise FileNotFoundError(
+            f"bag {path}: no metadata.yaml in this folder (a rosbag2 bag is a folder with one)"
+        )
     store = typestore()
     parts: dict[str, dict[int, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
-    with Reader(Path(path)) as reader:
-        conns = [c for c in reader.connections if c.topic.startswith("/edgerl/")]
-        if not conns:
-            raise ValueError(f"bag {path}: no /edgerl/<robot>/... topics")
-        for conn, t_ns, raw in reader.messages(connections=conns):
-            _, _, robot, kind = conn.topic.split("/", 3)
-            parts[robot][t_ns][kind] = store.deserialize_cdr(raw, conn.msgtype)
+    try:
+        with Reader(folder) as reader:
+            conns = [c for c in reader.connections if c.topic.startswith("/edgerl/")]
+            if not conns:
+                raise ValueError(f"bag {path}: no /edgerl/<robot>/... topics")
+            for conn, t_ns, raw in reader.messages(connections=conns):
+                _, _, robot, kind = conn.topic.split("/", 3)
+                parts[robot][t_ns][kind] = store.deserialize_cdr(raw, conn.msgtype)
+    except ReaderError as exc:  # its metadata or storage files missing or broken
+        reason = (str(exc).strip().splitlines() or ["unreadable"])[0]
+        raise ValueError(f"bag {path}: cannot be read ({reason})") from None
     out: dict[str, list[BagTick]] = {}
     for robot, by_time in parts.items():
         ticks = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,35 @@ def test_bag_cli(session: tuple[Path, Any], tmp_path: Path, capsys: pytest.Captu
     assert all(len(s.rewards) <= 8 for s in load_transitions(out))
     assert main(["bag", "msg"]) == 0
     assert "uint64 policy_version" in capsys.readouterr().out
+
+
+def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
+    session: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = session
+
+    def broken(name: str, change: Any) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(path, copy)
+        change(copy)
+        return copy
+
+    no_storage = broken("no-mcap", lambda bag: [f.unlink() for f in bag.glob("*.mcap")])
+    bad_yaml = broken("bad-yaml", lambda bag: (bag / "metadata.yaml").write_text("topics: [\n"))
+    bad_mcap = broken("bad-mcap", lambda bag: [f.write_bytes(b"not mcap") for f in bag.glob("*.mcap")])
+    cases = [
+        (tmp_path / "missing", FileNotFoundError, r"missing: no such folder"),
+        (tmp_path, FileNotFoundError, r": no metadata.yaml in this folder"),
+        (no_storage, ValueError, r"no-mcap: cannot be read \(Some database files are missing"),
+        (bad_yaml, ValueError, r"bad-yaml: cannot be read \(Could not load YAML"),
+        (bad_mcap, ValueError, r"bad-mcap: cannot be read \(File magic is invalid"),
+    ]
+    for bag, error, message in cases:
+        with pytest.raises(error, match=message):
+            bag_info(bag)
+        assert main(["bag", "import", str(bag), "--out", str(tmp_path / "x.pb")]) == 2
+        assert re.search(message, capsys.readouterr().err.splitlines()[-1]), bag
+    assert not (tmp_path / "x.pb").exists()
 
 
 def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:
