@@ -243,3 +243,21 @@ def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:
     live.log_probs[20:32] -= 7.0
     _, moved = _update(tmp_path / "c", live, version=10)
     assert any(not torch.equal(p, q) for p, q in zip(params, moved, strict=True))
+
+
+def test_metrics_lines_are_standard_json_with_non_finite_values_as_null(tmp_path: Path) -> None:
+    import json
+
+    from edgerl.trainer.trainer import MetricsLog
+
+    metrics = MetricsLog(tmp_path, tensorboard=False)
+    metrics.write(64, {"losses/explained_variance": float("nan"), "losses/value": 0.5, "x": float("inf")})
+    metrics.close()
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(line, parse_constant=refuse)
+    assert row["global_step"] == 64 and row["losses/value"] == 0.5
+    assert row["losses/explained_variance"] is None and row["x"] is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pickle
 import socket
@@ -129,7 +130,10 @@ class MetricsLog:
                 log.warning("tensorboard is not installed; logging to metrics.jsonl only")
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        self._jsonl.write(json.dumps({"global_step": step, "time": time.time(), **scalars}) + "\n")
+        """One line of ``scalars`` at ``step``. A non-finite value (the explained variance of
+        returns that do not vary) is ``null`` in the file, which stays standard JSON."""
+        finite = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
+        self._jsonl.write(json.dumps({"global_step": step, "time": time.time(), **finite}) + "\n")
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
