@@ -51,6 +51,14 @@ class ServerConfig:
     """Most envs one stream may declare."""
     grace_s: float = 5.0
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
+    keepalive_s: float = 30.0
+    """Ping a connection with a call open that has sent nothing for this long (seconds); 0: off.
+    A client whose link died without closing it (power cut, cable pulled, out of Wi-Fi range)
+    sends nothing and answers no ping: its connection is closed ``keepalive_timeout_s`` later and
+    its streams end, where the system's TCP timeout would take hours. A robot that comes back
+    opens a new stream, which takes over its session either way."""
+    keepalive_timeout_s: float = 10.0
+    """How long a keepalive ping may go unanswered before the connection is closed (seconds)."""
     learner: TransitionConfig | None = None
     """Serve the Learner service (transitions out, weights in) with these settings; None: off."""
     tls_cert: str = ""
@@ -82,6 +90,11 @@ class ServerConfig:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.keepalive_s < 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError(
+                f"keepalive_s must be >= 0 and keepalive_timeout_s > 0, got {self.keepalive_s} "
+                f"and {self.keepalive_timeout_s}"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca and not self.tls_cert:
@@ -188,6 +201,15 @@ class EdgeServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        if cfg.keepalive_s > 0:
+            options += [
+                ("grpc.keepalive_time_ms", round(cfg.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
+                # what gRPC 1.85 times an unanswered ping by (its default, 60 s, wins otherwise)
+                ("grpc.http2.ping_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
+                # keep pinging a stream that stays silent (gRPC stops after 2 pings without data)
+                ("grpc.http2.max_pings_without_data", 0),
+            ]
         server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
         pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
         services = [SERVICE_NAME]

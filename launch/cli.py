@@ -283,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULT_SERVER.grace_s,
         help="on shutdown, time in-flight work may take (s)",
     )
+    p.add_argument(
+        "--keepalive-s",
+        type=NON_NEGATIVE,
+        default=_DEFAULT_SERVER.keepalive_s,
+        help="ping a connection that has been silent this long (s), and close it when a ping goes "
+        f"unanswered for {_DEFAULT_SERVER.keepalive_timeout_s:g} s: the streams of a robot whose link "
+        "died without closing end then (0: off)",
+    )
     p.add_argument("--tls-cert", default="", help="PEM certificate chain of the server (enables TLS)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")

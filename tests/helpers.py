@@ -40,6 +40,50 @@ class EchoPolicy(PolicyBackend):
         )
 
 
+class SilentLink:
+    """A TCP link to ``127.0.0.1:target_port`` that can go silent: after :meth:`go_silent` it
+    still holds both connections open but delivers nothing either way, as a link that died
+    without a FIN or RST does (a robot's power cut, a cable pulled, Wi-Fi out of range)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.silent = False
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> SilentLink:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def go_silent(self) -> None:
+        self.silent = True
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.get_running_loop().create_task(self._pump(src, dst))
+            self._tasks.add(task)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        while data := await src.read(65536):
+            if not self.silent:  # silent: read and dropped, so the sender's writes still succeed
+                dst.write(data)
+                await dst.drain()
+
+
 @contextlib.asynccontextmanager
 async def running_server(backend: PolicyBackend, **config: object) -> AsyncIterator[EdgeServer]:
     """A real edge server on 127.0.0.1, port 0."""

@@ -409,9 +409,11 @@ def test_serve_options_become_the_server_config() -> None:
     from edgerl.edge_server.server import ServerConfig
     from edgerl.launch.cli import build_parser, config_from_args
 
-    a = build_parser().parse_args(["serve", "--port", "5151", "--max-delay-us", "250", "--grace-s", "0.5"])
+    a = build_parser().parse_args(
+        ["serve", "--port", "5151", "--max-delay-us", "250", "--grace-s", "0.5", "--keepalive-s", "0"]
+    )
     cfg = config_from_args(ServerConfig, a)
-    assert (cfg.port, cfg.max_delay_us, cfg.grace_s) == (5151, 250, 0.5)
+    assert (cfg.port, cfg.max_delay_us, cfg.grace_s, cfg.keepalive_s) == (5151, 250, 0.5, 0.0)
     assert cfg.max_batch_size == ServerConfig().max_batch_size and cfg.learner is None  # not options
     assert config_from_args(ServerConfig, a, port=0).port == 0  # overrides win
 

@@ -22,7 +22,7 @@ from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.sim.envs import env_spec, make_vector_env
-from tests.helpers import EchoPolicy, act_once, run, running_server
+from tests.helpers import EchoPolicy, SilentLink, act_once, run, running_server
 
 ENV = "HalfCheetah-v5"
 OBS, ACT = 17, 6
@@ -252,6 +252,39 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
                 await healthy.close()
 
     run(main())
+
+
+def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
+    """A robot's link that dies without closing: with keepalive (1 s, 1 s to answer) the server
+    ends its stream within seconds; without it (0: off), the stream stays open."""
+
+    async def ends_within(keepalive_s: float, seconds: float) -> bool:
+        async with running_server(
+            EchoPolicy(OBS, ACT), keepalive_s=keepalive_s, keepalive_timeout_s=1.0
+        ) as server:
+            async with SilentLink(server.port) as link, EdgeClient(f"127.0.0.1:{link.port}") as client:
+                stream = await _healthy_stream(client, "robot")
+                await _round_trip(stream)
+                assert server.servicer.active_streams == 1
+                link.go_silent()
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + seconds
+                while server.servicer.active_streams and loop.time() < deadline:
+                    await asyncio.sleep(0.05)
+                ended = server.servicer.active_streams == 0
+                async with EdgeClient(f"127.0.0.1:{server.port}") as direct:  # others still served
+                    await _round_trip(await _healthy_stream(direct, "other"))
+                return ended
+
+    assert run(ends_within(1.0, seconds=8.0))
+    assert not run(ends_within(0.0, seconds=4.0))
+
+
+def test_keepalive_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="keepalive_s must be >= 0 and keepalive_timeout_s > 0, got -1"):
+        ServerConfig(keepalive_s=-1)
+    with pytest.raises(ValueError, match=r"keepalive_timeout_s > 0, got 30.0 and 0"):
+        ServerConfig(keepalive_timeout_s=0)
 
 
 def test_unary_validation_names_the_field() -> None:
