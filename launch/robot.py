@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect-timeout-s",
         type=NON_NEGATIVE,
-        default=10.0,
+        default=RobotRunnerConfig.connect_timeout_s,
         help="how long to wait for the server's stream before the control loop starts; the robots "
         "then run on fallbacks until it connects (the loop never waits for the server again)",
     )
