@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -15,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
-from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.batcher import DynamicBatcher, percentile
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.policy import PolicyBackend
@@ -285,13 +286,75 @@ class EdgeServer:
             await self._server.wait_for_termination()
 
 
+@dataclass(frozen=True)
+class Activity:
+    """What a server has done since it started: the counters an activity line compares."""
+
+    time_s: float
+    streams: int
+    rows: int
+    batches: int
+    refused_full: int
+    refused_invalid: int
+    version: int
+    queue_wait_us_p99: int
+    inference_us_p50: int
+
+    @classmethod
+    def of(cls, server: EdgeServer, time_s: float) -> Activity:
+        st, servicer = server.batcher.stats, server.servicer
+        return cls(
+            time_s=time_s,
+            streams=servicer.active_streams,
+            rows=st.rows,
+            batches=st.batches,
+            refused_full=st.rejected_queue_full,
+            refused_invalid=servicer.rejected_invalid,
+            version=server.backend.version,
+            queue_wait_us_p99=percentile(st.queue_wait_us, 99),
+            inference_us_p50=percentile(st.inference_us, 50),
+        )
+
+
+def activity_line(before: Activity, now: Activity) -> str | None:
+    """One line on what the server did between two snapshots, or None when it was idle and
+    nothing changed (no rows, the same streams, version and refusals). The percentiles are of
+    the last 8,192 batches."""
+    rows, batches = now.rows - before.rows, now.batches - before.batches
+    changed = (now.streams, now.version, now.refused_full, now.refused_invalid) != (
+        before.streams,
+        before.version,
+        before.refused_full,
+        before.refused_invalid,
+    )
+    if rows == 0 and not changed:
+        return None
+    seconds = max(now.time_s - before.time_s, 1e-9)
+    line = f"{now.streams} stream(s), {rows / seconds:,.0f} rows/s in {batches / seconds:,.0f} batches/s"
+    if batches:
+        line += (
+            f" ({rows / batches:.1f} rows each), queue wait p99 {now.queue_wait_us_p99 / 1e3:.1f} ms, "
+            f"inference p50 {now.inference_us_p50 / 1e3:.1f} ms"
+        )
+    line += f", policy version {now.version}"
+    full, invalid = now.refused_full - before.refused_full, now.refused_invalid - before.refused_invalid
+    if full or invalid:
+        line += f"; refused {full} (queue full), {invalid} (invalid)"
+    return line
+
+
 async def serve_until_signal(
     server: EdgeServer,
     on_ready: asyncio.Future[int] | None = None,
     signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+    *,
+    report_every_s: float = 0.0,
+    report: Callable[[str], None] = print,
 ) -> None:
     """Start ``server``, run until one of ``signals`` arrives, then shut it down gracefully and
-    close its backend (its engine threads or replica processes), which this process owns."""
+    close its backend (its engine threads or replica processes), which this process owns.
+    With ``report_every_s``, ``report`` gets an :func:`activity_line` that often, unless the
+    server was idle."""
     try:
         port = await server.start()
         if on_ready is not None:
@@ -301,7 +364,16 @@ async def serve_until_signal(
         for sig in signals:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        before = Activity.of(server, loop.time())
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), report_every_s or None)
+            if not stop.is_set():
+                now = Activity.of(server, loop.time())
+                line = activity_line(before, now)
+                if line is not None:
+                    report(line)
+                before = now
         await server.stop()
     finally:
         server.backend.close()

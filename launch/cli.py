@@ -291,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"unanswered for {_DEFAULT_SERVER.keepalive_timeout_s:g} s: the streams of a robot whose link "
         "died without closing end then (0: off)",
     )
+    p.add_argument(
+        "--stats-every-s",
+        type=NON_NEGATIVE,
+        default=10.0,
+        help="print a line on what the server did this often (streams, rows/s, batch size, queue "
+        "wait, inference time, policy version, refusals); idle spells print nothing (0: never)",
+    )
     p.add_argument("--tls-cert", default="", help="PEM certificate chain of the server (enables TLS)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
@@ -645,7 +652,12 @@ def _serve(a: argparse.Namespace) -> int:
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(say_ready)
-        await serve_until_signal(server, ready)
+        await serve_until_signal(
+            server,
+            ready,
+            report_every_s=a.stats_every_s,
+            report=lambda line: print(f"edgerl: {line}", flush=True),
+        )
 
     asyncio.run(main())
     return 0

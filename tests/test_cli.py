@@ -1,8 +1,11 @@
 """The edgerl command line, run as users run it (real processes on loopback)."""
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,7 +21,7 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import ServerThread, free_port
+from tests.helpers import ServerThread, act_once, free_port
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -416,6 +419,51 @@ def test_serve_options_become_the_server_config() -> None:
     assert (cfg.port, cfg.max_delay_us, cfg.grace_s, cfg.keepalive_s) == (5151, 250, 0.5, 0.0)
     assert cfg.max_batch_size == ServerConfig().max_batch_size and cfg.learner is None  # not options
     assert config_from_args(ServerConfig, a, port=0).port == 0  # overrides win
+
+
+def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -> None:
+    from edgerl.edge_server.server import Activity, activity_line
+
+    before = Activity(10.0, 2, rows=1000, batches=100, refused_full=0, refused_invalid=1, version=3,
+                      queue_wait_us_p99=0, inference_us_p50=0)  # fmt: skip
+    busy = dataclasses.replace(
+        before, time_s=12.0, rows=9000, batches=600, queue_wait_us_p99=1250, inference_us_p50=800
+    )
+    assert activity_line(before, busy) == (
+        "2 stream(s), 4,000 rows/s in 250 batches/s (16.0 rows each), queue wait p99 1.2 ms, "
+        "inference p50 0.8 ms, policy version 3"
+    )
+    assert activity_line(busy, dataclasses.replace(busy, time_s=22.0)) is None  # idle: no line
+    left = dataclasses.replace(busy, time_s=22.0, streams=1, version=4, refused_full=5, refused_invalid=3)
+    assert activity_line(busy, left) == (
+        "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; refused 5 (queue full), 2 (invalid)"
+    )
+
+
+def test_edgerl_serve_prints_what_it_did_every_stats_interval() -> None:
+    proc = subprocess.Popen(
+        [*EDGERL, "serve", "--port", "0", "--stats-every-s", "0.5"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        first, _ = proc.stdout.readline(), proc.stdout.readline()
+        address = first.split()[-1]
+        obs = np.zeros((4, 17), np.float32)  # one step of 4 HalfCheetah envs per stream
+        for _ in range(3):
+            asyncio.run(act_once(address, obs))
+        # a tick may fall between a stream's opening and its step: a line with streams, no rows
+        lines = [proc.stdout.readline().strip()]
+        while "rows each" not in lines[-1] and len(lines) < 4:
+            lines.append(proc.stdout.readline().strip())
+        pattern = r"edgerl: [01] stream\(s\), [\d,]+ rows/s in [\d,]+ batches/s{}, policy version 0"
+        for line in lines[:-1]:
+            assert re.fullmatch(pattern.format(""), line), lines
+        # every stream sent one step of 4 rows, alone: 4 rows a batch
+        each = r" \(4\.0 rows each\), queue wait p99 [\d.]+ ms, inference p50 [\d.]+ ms"
+        assert re.fullmatch(pattern.format(each), lines[-1]), lines
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
 
 
 def test_bench_throughput_gives_the_llm_policy_one_env_group_per_replica() -> None:
