@@ -319,7 +319,7 @@ class Activity:
 def activity_line(before: Activity, now: Activity) -> str | None:
     """One line on what the server did between two snapshots, or None when it was idle and
     nothing changed (no rows, the same streams, version and refusals). The percentiles are of
-    the last 8,192 batches."""
+    the last 8,192 requests (queue wait) and batches (inference), as in ``Stats``."""
     rows, batches = now.rows - before.rows, now.batches - before.batches
     changed = (now.streams, now.version, now.refused_full, now.refused_invalid) != (
         before.streams,
