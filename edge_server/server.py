@@ -208,8 +208,6 @@ class EdgeServer:
                 ("grpc.keepalive_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
                 # what gRPC 1.85 times an unanswered ping by (its default, 60 s, wins otherwise)
                 ("grpc.http2.ping_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
-                # keep pinging a stream that stays silent (gRPC stops after 2 pings without data)
-                ("grpc.http2.max_pings_without_data", 0),
             ]
         server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
         pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)

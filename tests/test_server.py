@@ -256,15 +256,17 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
 
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     """A robot's link that dies without closing: with keepalive (1 s, 1 s to answer) the server
-    ends its stream within seconds; without it (0: off), the stream stays open."""
+    ends its stream within seconds, also after an idle spell whose pings were answered (gRPC
+    limits pings without data); without it (0: off), the stream stays open."""
 
-    async def ends_within(keepalive_s: float, seconds: float) -> bool:
+    async def ends_within(keepalive_s: float, seconds: float, idle_s: float = 0.0) -> bool:
         async with running_server(
             EchoPolicy(OBS, ACT), keepalive_s=keepalive_s, keepalive_timeout_s=1.0
         ) as server:
             async with SilentLink(server.port) as link, EdgeClient(f"127.0.0.1:{link.port}") as client:
                 stream = await _healthy_stream(client, "robot")
                 await _round_trip(stream)
+                await asyncio.sleep(idle_s)  # alive but idle: pings answered, no data
                 assert server.servicer.active_streams == 1
                 link.go_silent()
                 loop = asyncio.get_running_loop()
@@ -277,6 +279,7 @@ def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
                 return ended
 
     assert run(ends_within(1.0, seconds=8.0))
+    assert run(ends_within(1.0, seconds=8.0, idle_s=4.0))
     assert not run(ends_within(0.0, seconds=4.0))
 
 
