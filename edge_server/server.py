@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
-from edgerl.edge_server.batcher import DynamicBatcher, percentile
+from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.policy import PolicyBackend
@@ -300,17 +300,18 @@ class Activity:
 
     @classmethod
     def of(cls, server: EdgeServer, time_s: float) -> Activity:
-        st, servicer = server.batcher.stats, server.servicer
+        """The server's counters now, as its ``Stats`` RPC gives them."""
+        r = server.servicer.stats()
         return cls(
-            time_s=time_s,
-            streams=servicer.active_streams,
-            rows=st.rows,
-            batches=st.batches,
-            refused_full=st.rejected_queue_full,
-            refused_invalid=servicer.rejected_invalid,
-            version=server.backend.version,
-            queue_wait_us_p99=percentile(st.queue_wait_us, 99),
-            inference_us_p50=percentile(st.inference_us, 50),
+            time_s,
+            r.active_streams,
+            r.rows,
+            r.batches,
+            r.rejected_queue_full,
+            r.rejected_invalid,
+            r.policy_version,
+            r.queue_wait_us_p99,
+            r.inference_us_p50,
         )
 
 

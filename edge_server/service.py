@@ -302,6 +302,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
+        return self.stats()
+
+    def stats(self) -> pb.StatsResponse:
+        """The counters since start and the recent percentiles, as the ``Stats`` RPC gives them."""
         st = self.batcher.stats
         return pb.StatsResponse(
             requests=st.requests,
