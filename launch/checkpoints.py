@@ -68,8 +68,7 @@ def read_checkpoint(path: str) -> CheckpointInfo:
 
     file = Path(path)
     if file.is_dir():
-        in_run = file.name == CHECKPOINT_DIR and not (file / CHECKPOINT_DIR).is_dir()
-        newest = latest_checkpoint(file.parent if in_run else file)
+        newest = latest_checkpoint(file)
         if newest is None:
             raise FileNotFoundError(
                 f"checkpoint {path}: a folder without {CHECKPOINT_DIR}/ (give a run folder of "

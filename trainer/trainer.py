@@ -492,10 +492,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest checkpoint of a run directory, or None: the one its ``checkpoints/latest.pt``
-    names, else (a copy that left the link out, as ``rsync -r`` does) the one of the highest
-    version there."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
+    """The newest checkpoint of a run directory (or of its ``checkpoints/`` folder itself), or
+    None: the one its ``checkpoints/latest.pt`` names, else (a copy that left the link out, as
+    ``rsync -r`` does) the one of the highest version there."""
+    folder = Path(run_dir)
+    if folder.name != CHECKPOINT_DIR or (folder / CHECKPOINT_DIR).is_dir():
+        folder = folder / CHECKPOINT_DIR
     latest = folder / LATEST
     if latest.exists():
         return latest.resolve()
