@@ -465,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run robots behind the safety watchdog against an edge server",
         description="Drive --robots instances of --robot at --hz: the watchdog applies fresh policy "
         "actions and fallbacks otherwise, streams observations to --server, and tells the server "
-        "which steps used a fallback. Ctrl-C stops.",
+        "which steps used a fallback. Ctrl-C stops. Exit status "
+        f"{robot_cli.ESTOPPED_STATUS} when a robot ended e-stopped.",
     )
     robot_cli.add_arguments(p)
     add_client_security(p)

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
+ESTOPPED_STATUS = 3
+"""Exit status of ``edgerl robot`` when a robot ended the run e-stopped (latched until reset)."""
 
 log = logging.getLogger(__name__)
 
@@ -247,4 +250,12 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     print(jsonout.dumps({"robots": stats}, indent=2))
     if a.json:
         jsonout.write_json({"robots": stats}, a.json)
+    stopped = [s["robot"] for s in stats if s["estopped"]]
+    if stopped:  # latched: a script running the robots must not take this run for a good one
+        print(
+            f"edgerl robot: {len(stopped)} of {len(stats)} robot(s) ended e-stopped: {', '.join(stopped)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ESTOPPED_STATUS
     return 0

@@ -13,6 +13,7 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
+from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
 from edgerl.robot_client.robot import Robot, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
@@ -284,7 +285,7 @@ def test_edgerl_robot_takes_the_chunk_defaults_from_the_server(
                 ["robot", "--server", srv.address, "--robot", "tests.test_robot:CounterRobot", "--hz", "50",
                  "--seconds", "1.5", "--delay-ms", "30", "--json", str(out), *extra]
             )  # fmt: skip
-            assert code == 0
+            assert code == (0 if name == "chunk" else ESTOPPED_STATUS)  # "single": fallbacks only
             (robots[name],) = json.loads(out.read_text())["robots"]
     assert "chunks of 4 actions: deadline 80 ms, refill at 2" in capsys.readouterr().out
     assert robots["chunk"]["policy_ticks"] >= robots["chunk"]["ticks"] - 5
@@ -382,15 +383,16 @@ def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_js
          "--seconds", "1.5", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
          "--estop-after", "20", "--json", str(out)]
     )  # fmt: skip
-    assert code == 0
+    assert code == ESTOPPED_STATUS == 3  # the run is not taken for a good one
     (r,) = _strict_json(out.read_text())["robots"]
     assert r["ticks"] >= 50 and r["fallbacks"] == r["ticks"] and r["policy_ticks"] == 0
     assert r["estopped"] and r["max_consecutive_fallbacks"] == r["ticks"]
     # no answer, so no latency or action age: null, where Python's json would write NaN
     assert r["latency_ms_p50"] is None and r["action_age_ms_p99"] is None
     assert r["tick_jitter_ms_p99"] > 0  # the loop's own timing was measured
-    stdout = capsys.readouterr().out
+    stdout, stderr = capsys.readouterr()
     assert "latency p50 - (no answer yet)" in stdout
+    assert "1 of 1 robot(s) ended e-stopped: " in stderr
     assert _strict_json(stdout[stdout.index("{") :]) == {"robots": [r]}  # printed as written
 
 
