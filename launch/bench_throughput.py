@@ -102,7 +102,9 @@ class ThroughputConfig:
         if self.groups == 0 and by_policy:
             object.__setattr__(self, "groups", by_policy)
         if self.groups:  # else checked once the replicas, and with them the groups, are chosen
-            check_fleet(self.envs, self.workers, self.groups)
+            check_fleet(
+                self.envs, self.workers, self.groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
+            )
         if self.worker_cpus is not None:
             kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
 

@@ -35,6 +35,7 @@ from edgerl.launch.processes import (
     WorkerFleet,
     check_fleet,
     configure_logging,
+    fleet_groups,
     kept_cpus,
     on_stop_signals,
     other_cpus,
@@ -170,9 +171,10 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
     )
     p.add_argument(
         "--groups",
-        type=COUNT,
-        default=2,
-        help="env groups per worker with one message in flight each (2 = double-buffered)",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        help="env groups per worker with one message in flight each (2 = double-buffered, 1 = "
+        "lockstep; 0: 2, or 1 where a worker has a single env)",
     )
     p.add_argument(
         "--timeout-s", type=POSITIVE, default=10.0, help="deadline for each answer from the server (s)"
@@ -669,7 +671,7 @@ def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -
         server=server,
         env_name=a.env,
         num_envs=a.envs,
-        groups=a.groups,
+        groups=fleet_groups(a.groups, a.envs, a.workers),
         seed=a.seed,
         timeout_s=a.timeout_s,
         max_steps=getattr(a, "steps", 0),
@@ -698,6 +700,7 @@ def _sim(a: argparse.Namespace) -> int:
 
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
+    check_fleet(a.envs, a.workers, fleet_groups(a.groups, a.envs, a.workers))
     with _fleet(a, a.server, a.local_socket) as fleet:
         # The server is the user's to start: its workers retry until it is up, or fail after
         # give_up_after_s without a working stream. No limit of the command's own.
@@ -710,7 +713,12 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    check_fleet(a.envs, a.workers, a.groups)  # before the server starts
+    check_fleet(  # before the server starts
+        a.envs,
+        a.workers,
+        fleet_groups(a.groups, a.envs, a.workers),
+        max_envs_per_stream=ServerConfig.max_envs_per_stream,
+    )
     policy, weights = _served_policy(a)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None

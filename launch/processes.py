@@ -513,6 +513,7 @@ def _worker_main(
     log_level: str,
     *,
     errors: Any,
+    built: Any,
 ) -> None:
     """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) for the
     fleet to report (see :func:`_reported`)."""
@@ -521,11 +522,11 @@ def _worker_main(
     with _reported(
         lambda line: errors.put(f"{config.session_id}: {line}"), quiet=(*USER_ERRORS, EdgeRLError)
     ):
-        _run_worker(config, steps, episodes, stop, log_level)
+        _run_worker(config, steps, episodes, stop, log_level, built=built)
 
 
 def _run_worker(
-    config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str
+    config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str, *, built: Any
 ) -> None:
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
 
@@ -535,6 +536,7 @@ def _run_worker(
         os.sched_setaffinity(0, config.cpus)
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
+    built.set()  # its envs are built: what it waits for now is its server
     sent = 0
 
     def report() -> None:
@@ -572,14 +574,30 @@ def _run_worker(
         worker.close()
 
 
-def check_fleet(num_envs: int, num_workers: int, groups: int) -> None:
+def fleet_groups(groups: int, num_envs: int, num_workers: int) -> int:
+    """Env groups per sim worker for ``groups`` (``--groups``): as given, or for 0 two
+    (double-buffered), one where a worker has a single env."""
+    if groups:
+        return groups
+    return 2 if num_envs >= 2 * num_workers else 1
+
+
+def check_fleet(num_envs: int, num_workers: int, groups: int, *, max_envs_per_stream: int = 0) -> None:
     """Raise ValueError, naming the options, unless ``num_workers`` sim workers can share
-    ``num_envs`` envs with ``groups`` env groups each. Commands call it before they start
-    anything; :class:`WorkerFleet` checks again."""
+    ``num_envs`` envs with ``groups`` env groups each, and (``max_envs_per_stream`` > 0: the
+    limit of the server a command starts itself) each worker's stream stays within the server's
+    limit. Commands call it before they start anything; :class:`WorkerFleet` checks again."""
     if num_workers < 1:
         raise ValueError(f"workers must be >= 1, got {num_workers}")
     if num_envs < num_workers * groups:
         raise ValueError(f"envs ({num_envs}) must be >= workers x groups ({num_workers} x {groups})")
+    per_stream = -(-num_envs // num_workers)
+    if 0 < max_envs_per_stream < per_stream:
+        raise ValueError(
+            f"envs ({num_envs}) over workers ({num_workers}) puts {per_stream} envs on a worker's "
+            f"stream, and the server takes at most {max_envs_per_stream} per stream: use workers >= "
+            f"{-(-num_envs // max_envs_per_stream)}"
+        )
 
 
 class WorkerFleet:
@@ -603,6 +621,7 @@ class WorkerFleet:
         self._episodes: Any = _CTX.Queue()
         self._errors: Any = _CTX.SimpleQueue()  # what failed workers said, one line each
         self._steps: list[Synchronized[int]] = []
+        self._built: list[Any] = []  # per worker: set once its envs are built
         self._procs: list[Any] = []
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
@@ -621,15 +640,17 @@ class WorkerFleet:
                 cpus=(self.worker_cpus[i % len(self.worker_cpus)],) if self.worker_cpus else cfg.cpus,
             )
             steps: Synchronized[int] = _CTX.Value("q", 0)  # type: ignore[assignment,unused-ignore]
+            built = _CTX.Event()
             proc = _CTX.Process(
                 target=_worker_main,
                 args=(wcfg, steps, self._episodes, self._stop, self.log_level),
-                kwargs={"errors": self._errors},
+                kwargs={"errors": self._errors, "built": built},
                 name=f"edgerl-sim-{i}",
                 daemon=True,
             )
             proc.start()
             self._steps.append(steps)
+            self._built.append(built)
             self._procs.append(proc)
 
     def total_steps(self) -> int:
@@ -688,8 +709,9 @@ class WorkerFleet:
         Against a server with admission control, wait for any worker only: the
         first one up can fill the server's window before the others connect, and
         then they step only once a trainer takes what is pending. Workers keep
-        reconnecting to a server that is not up yet; past ``note_after_s`` without
-        a step this says once, on stderr, what they wait for.
+        reconnecting to a server that is not up yet. Past ``note_after_s`` this says once, on
+        stderr, what they wait for: workers that still build their envs (many envs take
+        seconds), then the server (``note_after_s`` after the last worker's envs were built).
 
         Raises:
             WorkerError: a worker failed, or they had not started within ``timeout_s``
@@ -697,22 +719,28 @@ class WorkerFleet:
         """
         start = time.monotonic()
         started = all if every else any
-        noted = False
+        noted: set[bool] = set()  # what was said: building (True), the server (False)
+        built_at: float | None = None
         while not started(s.value > 0 for s in self._steps) and not should_stop():
             self.check()
-            waited = time.monotonic() - start
-            if timeout_s is not None and waited > timeout_s:
+            now = time.monotonic()
+            building = sum(not b.is_set() for b in self._built)
+            if not building and built_at is None:
+                built_at = now
+            what = (
+                f"{building} of {self.num_workers} sim worker(s) to build their envs"
+                if building
+                else self._target()
+            )
+            if timeout_s is not None and now - start > timeout_s:
                 raise WorkerError(
-                    f"sim workers had not started within {timeout_s:g}s, waiting for {self._target()}"
+                    f"sim workers had not started within {timeout_s:g}s, waiting for {what}"
                     " (their warnings above say why)"
                 )
-            if not noted and waited > note_after_s:
-                noted = True
-                print(
-                    f"edgerl: waiting for {self._target()} (the workers retry with backoff)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if bool(building) not in noted and now - (built_at or start) > note_after_s:
+                noted.add(bool(building))
+                retry = "" if building else " (the workers retry with backoff)"
+                print(f"edgerl: waiting for {what}{retry}", file=sys.stderr, flush=True)
             time.sleep(0.05)
 
     def _target(self) -> str:

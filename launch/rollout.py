@@ -20,7 +20,8 @@ def watch(
     without limit) for the server: :meth:`WorkerFleet.wait_started`.
 
     Returns:
-        A summary: env steps, wall time, steps/s, episodes and their mean return.
+        A summary: the env steps the workers made, the wall time watched (from when their first
+        steps were seen), the steps/s over that time, episodes and their mean return.
     """
     fleet.wait_started(start_timeout_s)
     t0 = time.perf_counter()
@@ -50,12 +51,12 @@ def watch(
             interrupted = True
     wall = time.perf_counter() - t0
     fleet.stop()
-    n = fleet.total_steps() - s0
+    total = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
     rets = fleet.episode_returns
     return {
-        "env_steps": n,
+        "env_steps": total,
         "wall_s": round(wall, 2),
-        "steps_per_s": round(n / wall, 1) if wall > 0 else 0.0,
+        "steps_per_s": round((total - s0) / wall, 1) if wall > 0 else 0.0,
         "episodes": len(rets),
         "return_mean_last20": round(statistics.fmean(rets[-20:]), 2) if rets else None,
         "interrupted": interrupted,

@@ -85,7 +85,9 @@ class RunConfig:
     ppo: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
-        check_fleet(self.envs, self.workers, self.groups)
+        check_fleet(
+            self.envs, self.workers, self.groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
+        )
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
         if self.model and self.policy != LLM_PRESET:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.launch.processes import fleet_groups
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
@@ -126,14 +127,36 @@ def _refused(*args: str) -> str:
     return _run_refused(*args).stderr
 
 
-@pytest.mark.parametrize("command", [["rollout"], ["bench", "throughput"], ["train"]])
+@pytest.mark.parametrize("command", [["rollout", "--groups", "2"], ["bench", "throughput"], ["train"]])
 def test_envs_the_workers_cannot_share_are_refused_before_anything_starts(command: list[str]) -> None:
-    out = _run_refused(*command, "--envs", "3", "--workers", "2")  # 2 env groups each by default
+    out = _run_refused(*command, "--envs", "3", "--workers", "2")  # bench, train: 2 groups by default
     line = out.stderr.splitlines()[-1]  # train names where the value came from
     assert line.startswith("edgerl: error: ")
     assert line.endswith("envs (3) must be >= workers x groups (2 x 2)")
     assert "edge server on" not in out.stdout  # rollout: no server started
     assert "repeat 1/" not in out.stderr  # bench: no mode measured first
+
+
+@pytest.mark.parametrize("command", [["rollout"], ["bench", "throughput"], ["train"]])
+def test_more_envs_per_stream_than_the_server_takes_are_refused_before_anything_starts(
+    command: list[str],
+) -> None:
+    """The server these commands start takes 1024 envs per stream; a worker of more would build
+    its envs first (seconds to minutes) only to be refused."""
+    out = _run_refused(*command, "--envs", "2100", "--workers", "2")
+    assert out.stderr.splitlines()[-1].endswith(
+        "envs (2100) over workers (2) puts 1050 envs on a worker's stream, and the server takes at "
+        "most 1024 per stream: use workers >= 3"
+    )
+    assert "edge server on" not in out.stdout
+
+
+def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -> None:
+    assert [fleet_groups(0, envs, 2) for envs in (2, 3, 4, 64)] == [1, 1, 2, 2]
+    assert fleet_groups(3, 64, 2) == 3  # as given
+    assert "envs (3) must be >= workers x groups (4 x 1)" in _refused(
+        "sim", "--server", "127.0.0.1:1", "--envs", "3", "--workers", "4"
+    )
 
 
 @pytest.mark.parametrize(
@@ -219,6 +242,16 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
     assert summary["server"]["requests"] > 100
     assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
+
+
+def test_a_rollout_of_one_env_runs_in_lockstep(tmp_path: Path) -> None:
+    """One env cannot be split in two groups: by default the worker then runs one."""
+    path = tmp_path / "rollout.json"
+    _edgerl("rollout --env InvertedPendulum-v5 --envs 1 --steps 300", path)
+    summary = json.loads(path.read_text())
+    assert summary["env_steps"] >= 300
+    # one message per step, each of the single env: as many requests and rows as steps
+    assert summary["server"]["rows"] == summary["server"]["requests"] >= summary["env_steps"]
 
 
 def test_rollout_over_the_local_socket(tmp_path: Path) -> None:
@@ -372,7 +405,7 @@ def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> N
     # Each connection attempt may take 60 s: the stop must not wait for one.
     args = ["sim", "--server", address, "--env", "InvertedPendulum-v5", "--envs", "2", "--timeout-s", "60"]
     t0 = time.monotonic()
-    code, err = _terminated(args, tmp_path, lambda out, err: "edgerl: waiting for" in err)
+    code, err = _terminated(args, tmp_path, lambda out, err: "edgerl: waiting for the server" in err)
     took = time.monotonic() - t0
     assert f"edgerl: waiting for the server at {address} (the workers retry with backoff)" in err
     assert code == 130 and err.rstrip().endswith("edgerl: interrupted"), err  # nothing ran: no summary

@@ -210,9 +210,9 @@ def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_addres
     address = f"127.0.0.1:{free_port()}"
     config = SimWorkerConfig(server=address, env_name="InvertedPendulum-v5", num_envs=2, timeout_s=0.5)
     with WorkerFleet(config, 1) as fleet:
-        waiting = rf"had not started within 3s, waiting for the server at {address}"
-        with pytest.raises(WorkerError, match=waiting):
-            fleet.wait_started(3.0, note_after_s=1.0)
+        waiting = rf"had not started within 6s, waiting for the server at {address}"
+        with pytest.raises(WorkerError, match=waiting):  # past the worker's start (1-3 s)
+            fleet.wait_started(6.0, note_after_s=0.5)
     assert capsys.readouterr().err.count(f"edgerl: waiting for the server at {address}") == 1  # once
     assert fleet.failed() == []  # still retrying when stopped, not failed
 
@@ -221,3 +221,22 @@ def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_addres
         fleet.wait_started(None, should_stop=lambda: time.monotonic() > t0 + 1.0)
         assert 0.95 < time.monotonic() - t0 < 5.0
         assert fleet.total_steps() == 0
+
+
+def test_a_fleet_says_its_workers_build_their_envs_before_it_waits_for_the_server(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Starting a worker process and building its envs takes seconds (more with many envs): that
+    is what the fleet waits for then, not the server."""
+    address = f"127.0.0.1:{free_port()}"
+    config = SimWorkerConfig(server=address, env_name="HalfCheetah-v5", num_envs=64)
+    with WorkerFleet(config, 1) as fleet:
+        with pytest.raises(WorkerError, match="waiting for 1 of 1 sim worker"):
+            fleet.wait_started(0.6, note_after_s=0.2)  # the imports alone take longer
+        err = capsys.readouterr().err
+        assert err.count("edgerl: waiting for 1 of 1 sim worker(s) to build their envs") == 1
+        assert "the server" not in err
+        # built, it waits for the absent server, and says so once its envs are built
+        with pytest.raises(WorkerError, match=f"waiting for the server at {address}"):
+            fleet.wait_started(30.0, note_after_s=1.0)
+        assert capsys.readouterr().err.count(f"edgerl: waiting for the server at {address}") == 1
