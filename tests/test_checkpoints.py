@@ -98,8 +98,17 @@ def test_paths_that_hold_no_checkpoint_say_so(tmp_path: Path) -> None:
         read_checkpoint(str(tmp_path))
     text = tmp_path / "notes.pt"
     text.write_text("not a checkpoint\n")
-    with pytest.raises(ValueError, match=r"notes\.pt: not a trainer checkpoint"):
+    with pytest.raises(
+        ValueError, match=r"notes\.pt: not a trainer checkpoint \(not a torch.save zip archive\)$"
+    ):
         read_checkpoint(str(text))
+    cut = tmp_path / "cut.pt"  # a copy cut short: its zip directory, at the end, is gone
+    torch.save({"policy": {}, "state": {}}, cut)
+    cut.write_bytes(cut.read_bytes()[:-100])
+    with pytest.raises(
+        ValueError, match=r"cut\.pt: not a trainer checkpoint \(not a torch.save zip archive\)$"
+    ):
+        read_checkpoint(str(cut))
     weights_only = tmp_path / "weights.pt"
     torch.save(build_policy("mlp-small", 17, 6).state_dict(), weights_only)
     with pytest.raises(

@@ -20,6 +20,7 @@ import os
 import pickle
 import socket
 import time
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -455,6 +456,8 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
         ValueError: the file is no trainer checkpoint, holds other objects (left unread), or
             holds another kind of policy.
     """
+    if Path(path).is_file() and not zipfile.is_zipfile(path):  # torch.save has written zips since 1.6
+        raise ValueError(f"checkpoint {path}: not a trainer checkpoint (not a torch.save zip archive)")
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
