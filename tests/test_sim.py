@@ -196,7 +196,11 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
         fleet = WorkerFleet(config, 1)
         with fleet:
             fleet.wait_started()
-            time.sleep(4.0)  # a random policy drops the pendulum in ~10 steps: thousands of episodes
+            # a random policy drops the pendulum in ~10 steps: 30,000 steps make thousands of
+            # episodes (4 s on the fast machine, and as long as it takes on a slow one)
+            deadline = time.monotonic() + 60.0
+            while fleet.total_steps() < 30_000 and time.monotonic() < deadline:
+                time.sleep(0.1)
             t0 = time.monotonic()
         took = time.monotonic() - t0
     assert fleet.failed() == []  # it exited by itself, not killed
