@@ -671,7 +671,7 @@ def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -
         server=server,
         env_name=a.env,
         num_envs=a.envs,
-        groups=fleet_groups(a.groups, a.envs, a.workers),
+        groups=_groups(a),
         seed=a.seed,
         timeout_s=a.timeout_s,
         max_steps=getattr(a, "steps", 0),
@@ -680,6 +680,11 @@ def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -
         network_cpus=tuple(sorted(other_cpus(_worker_cpus(a)) or ())) if a.network_process else (),
         local_socket=local_socket,
     )
+
+
+def _groups(a: argparse.Namespace) -> int:
+    """Env groups per sim worker for ``--groups`` (0: chosen by envs per worker)."""
+    return fleet_groups(a.groups, a.envs, a.workers)
 
 
 def _worker_cpus(a: argparse.Namespace) -> list[int]:
@@ -700,7 +705,6 @@ def _sim(a: argparse.Namespace) -> int:
 
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
-    check_fleet(a.envs, a.workers, fleet_groups(a.groups, a.envs, a.workers))
     with _fleet(a, a.server, a.local_socket) as fleet:
         # The server is the user's to start: its workers retry until it is up, or fail after
         # give_up_after_s without a working stream. No limit of the command's own.
@@ -713,12 +717,8 @@ def _sim(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
-    check_fleet(  # before the server starts
-        a.envs,
-        a.workers,
-        fleet_groups(a.groups, a.envs, a.workers),
-        max_envs_per_stream=ServerConfig.max_envs_per_stream,
-    )
+    # before the server starts
+    check_fleet(a.envs, a.workers, _groups(a), max_envs_per_stream=ServerConfig.max_envs_per_stream)
     policy, weights = _served_policy(a)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None

@@ -51,12 +51,12 @@ def watch(
             interrupted = True
     wall = time.perf_counter() - t0
     fleet.stop()
-    total = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
+    made = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
     rets = fleet.episode_returns
     return {
-        "env_steps": total,
+        "env_steps": made,
         "wall_s": round(wall, 2),
-        "steps_per_s": round((total - s0) / wall, 1) if wall > 0 else 0.0,
+        "steps_per_s": round((made - s0) / wall, 1) if wall > 0 else 0.0,
         "episodes": len(rets),
         "return_mean_last20": round(statistics.fmean(rets[-20:]), 2) if rets else None,
         "interrupted": interrupted,

@@ -468,7 +468,7 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
                 f"({reason}), which could run code when read: refused"
             ) from None
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({reason})") from None
-    except (RuntimeError, EOFError, OSError) as exc:  # not a zip of torch's, or cut short
+    except (RuntimeError, EOFError, OSError) as exc:  # a zip, but not torch's, or broken inside
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({_first_line(exc)})") from None
     if not isinstance(payload, dict) or "policy" not in payload or "state" not in payload:
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint (no policy weights and state)")
