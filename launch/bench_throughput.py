@@ -277,6 +277,21 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
     return float(s1 - s0) / (t1 - t0)
 
 
+#: The server's counters that :func:`mode_stats` takes per mode: what its runs added to them.
+MODE_COUNTERS = ("requests", "batches", "rows", "rejected_queue_full", "rejected_invalid")
+
+
+def mode_stats(acc: dict[str, Any] | None, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The server's ``Stats`` for one mode: ``acc`` (its earlier runs, or None) plus what one run
+    (warm-up included) added to the counters, with the percentiles as the server had them after
+    it (over its last 8192 batches). The server is shared by every mode: its own totals since
+    start would count the other modes' requests too, and its largest batch may be theirs."""
+    counters = {k: after[k] - before[k] + (acc[k] if acc else 0) for k in MODE_COUNTERS}
+    totals_only = (*MODE_COUNTERS, "mean_batch_rows", "max_batch_rows")
+    rest = {k: v for k, v in after.items() if k not in totals_only}
+    return {**counters, "mean_batch_rows": round(counters["rows"] / max(1, counters["batches"]), 1), **rest}
+
+
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Run every mode ``cfg.repeats`` times; returns the JSON-ready summary.
 
@@ -313,12 +328,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                     before = server_stats(server.address)
                     sps = run_async_stream(cfg, server.address, local_socket if mode == "async_local" else "")
                     after = server_stats(server.address)
-                    batches = after["batches"] - before["batches"]
-                    stream_stats[mode] = {
-                        **after,
-                        "batches": batches,
-                        "mean_batch_rows": round((after["rows"] - before["rows"]) / max(1, batches), 1),
-                    }
+                    stream_stats[mode] = mode_stats(stream_stats.get(mode), before, after)
                 runs[mode].append(sps)
                 progress(f"  {mode}: {sps:,.0f} env steps/s")
     med = {m: statistics.median(v) for m, v in runs.items()}

@@ -226,6 +226,24 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
         ThroughputConfig(replicas=-1)
 
 
+def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
+    from edgerl.launch.bench_throughput import mode_stats
+
+    def stats(requests: int, batches: int, rows: int, queue_full: int = 0) -> dict[str, int]:
+        totals = {"requests": requests, "batches": batches, "rows": rows, "rejected_invalid": 0}
+        return {**totals, "rejected_queue_full": queue_full, "max_batch_rows": 64, "inference_us_p50": rows}
+
+    # the server's totals since start hold an earlier mode's 100 requests of one row
+    first = mode_stats(None, stats(100, 100, 100), stats(300, 150, 6500, queue_full=2))
+    assert first == {
+        **{"requests": 200, "batches": 50, "rows": 6400, "rejected_queue_full": 2, "rejected_invalid": 0},
+        **{"mean_batch_rows": 128.0, "inference_us_p50": 6500},  # a percentile: as after the run
+    }  # no max_batch_rows: the server's largest batch since start may be another mode's
+    both = mode_stats(first, stats(1000, 500, 9000), stats(1100, 600, 9100))
+    totals = (both["requests"], both["batches"], both["rows"], both["mean_batch_rows"])
+    assert totals == (300, 150, 6500, 43.3)
+
+
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
     stderr = _refused("serve", "--port", "0", "--dtype", "bfloat16")
     assert "dtype: 'bfloat16' is for policy 'llm'; the MLP presets run float32" in stderr
@@ -438,7 +456,10 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     assert result["ratios"]["async_local/sync_inprocess"] == pytest.approx(
         result["async_local"] / result["sync_inprocess"], rel=1e-2
     )
-    assert result["server_async_local"]["rows"] > 0  # the server's Stats after the local run
+    for mode in ("async_stream", "async_local"):  # the server's counters over that mode's runs alone
+        st = result[f"server_{mode}"]
+        assert 0 < st["batches"] <= st["requests"] <= st["rows"] <= st["batches"] * 8  # 8 envs at most
+        assert st["mean_batch_rows"] == round(st["rows"] / st["batches"], 1)
 
 
 def test_serve_options_become_the_server_config() -> None:
