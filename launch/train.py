@@ -35,6 +35,7 @@ from edgerl.launch.processes import (
     build_mlp,
     check_dtype,
     check_fleet,
+    fleet_groups,
     llm_model_dir,
     on_stop_signals,
 )
@@ -74,8 +75,8 @@ class RunConfig:
     """Transitions per env per batch (the rollout length)."""
     workers: int = 1
     """Sim worker processes."""
-    groups: int = 2
-    """Env groups per worker (2: double-buffered)."""
+    groups: int = 0
+    """Env groups per worker (2: double-buffered; 0: two, or one where a worker has a single env)."""
     sync: bool = False
     """Lockstep baseline: every action from the newest weights, no overlap."""
     weight_sync_interval: int = 1
@@ -85,8 +86,10 @@ class RunConfig:
     ppo: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        if self.groups < 0:
+            raise ValueError(f"groups must be >= 0 (0: chosen by envs per worker), got {self.groups}")
         check_fleet(
-            self.envs, self.workers, self.groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
+            self.envs, self.workers, self.fleet_groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
         )
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
@@ -95,6 +98,11 @@ class RunConfig:
         check_dtype(self.dtype, self.policy)
         if self.log_std_init and self.policy == LLM_PRESET:
             raise ValueError(f"log_std_init: for the MLP policies; policy {LLM_PRESET!r} samples tokens")
+
+    @property
+    def fleet_groups(self) -> int:
+        """The env groups per worker the run uses (``groups``, or for 0 the choice it leaves)."""
+        return fleet_groups(self.groups, self.envs, self.workers)
 
     @property
     def batch_steps(self) -> int:
@@ -294,7 +302,7 @@ def run_training(
             server=server.address,
             env_name=cfg.env,
             num_envs=cfg.envs,
-            groups=cfg.groups,
+            groups=cfg.fleet_groups,
             seed=cfg.seed * 1000,
             session_id=f"train-s{cfg.seed}",
             timeout_s=300.0,  # steps wait for the trainer by design (backpressure, sync mode)

@@ -150,6 +150,17 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
         load_config(None, str(tmp_path / "missing.toml"), {}, [])
 
 
+def test_env_groups_are_chosen_unless_set() -> None:
+    assert RunConfig(envs=16).fleet_groups == 2  # double-buffered
+    assert RunConfig(envs=1).fleet_groups == 1  # a single env: one group, not a refusal
+    assert RunConfig(envs=3, workers=2).fleet_groups == 1  # a worker with a single env
+    assert load_config("Hopper-v5", None, {}, [])[0].fleet_groups == 1  # its tuned file sets it
+    with pytest.raises(ValueError, match=r"envs \(1\) must be >= workers x groups \(1 x 2\)"):
+        load_config(None, None, {"envs": 1}, ["groups=2"])
+    with pytest.raises(ValueError, match="groups must be >= 0"):
+        RunConfig(groups=-1)
+
+
 def test_shipped_configs_parse() -> None:
     for env in ("HalfCheetah-v5", "Hopper-v5", "InvertedPendulum-v5"):
         cfg, sources = load_config(env, None, {}, [])
