@@ -196,7 +196,7 @@ class SimWorker:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
-                    info = await client.describe_for(self._obs_shape, cfg.env_name)
+                    info = await client.describe_for(self._obs_shape, cfg.env_name, cfg.env_name)
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,

@@ -140,10 +140,11 @@ class ServerThread:
     ``kill()`` stops it at once (no grace) and ``restart()`` brings it back on the same port.
     """
 
-    def __init__(self, backend: PolicyBackend, **config: object) -> None:
+    def __init__(self, backend: PolicyBackend, env_name: str = "", **config: object) -> None:
         import threading
 
         self.backend = backend
+        self.env_name = env_name
         self.config = config
         self.port = 0
         self.server: EdgeServer | None = None
@@ -161,7 +162,7 @@ class ServerThread:
     def start(self) -> ServerThread:
         async def go() -> None:
             cfg = ServerConfig(port=self.port, **self.config)  # type: ignore[arg-type,unused-ignore]
-            self.server = EdgeServer(self.backend, cfg)
+            self.server = EdgeServer(self.backend, cfg, env_name=self.env_name)
             self.port = await self.server.start()
 
         self._call(go())

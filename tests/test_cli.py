@@ -318,9 +318,15 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
     # the server refuses the worker (its envs are not the served ones): the refusal is the reason
     spec = env_spec("HalfCheetah-v5")
     backend = TorchPolicyBackend(build_policy("mlp", 17, 6, seed=1), spec.act_low, spec.act_high)
-    with ServerThread(backend) as server:
+    with ServerThread(backend, env_name="HalfCheetah-v5") as server:
         line = _failed("sim", "--server", server.address, "--env", "Hopper-v5", "--envs", "2")
-    assert line.endswith("the server serves observations of shape (17,), Hopper-v5 has (11,)"), line
+        assert line.endswith("the server serves observations of shape (17,), Hopper-v5 has (11,)"), line
+        # an env of the same shapes: the policy is another env's all the same
+        for network in ([], ["--network-process"]):  # the worker's own stream, or a network process's
+            line = _failed("sim", "--server", server.address, "--env", "Walker2d-v5", "--envs", "2", *network)
+            reason = "the server serves a policy for HalfCheetah-v5, not for Walker2d-v5"
+            assert line.endswith(f"{reason} (their observations share the shape (17,))"), line
+        assert server.server is not None and server.server.servicer.stats().requests == 0  # nothing served
 
 
 def _in_group(pgid: int) -> list[int]:
