@@ -107,6 +107,9 @@ class WorkerProgress:
 
 class _Group:
     def __init__(self, env_name: str, ids: list[int], seed: int) -> None:
+        self.env_name = env_name
+        spec = env_spec(env_name)  # the envs' own action limits (a network process asks no Describe)
+        self.act_low, self.act_high = spec.act_low, spec.act_high
         self.ids = ids
         self._ids32 = np.asarray(ids, np.int32)  # the ids as every O frame carries them
         self.envs, self.obs = make_vector_env(env_name, len(ids), seed)
@@ -127,6 +130,18 @@ class _Group:
         return frames.ObsRows(self._ids32, self.obs, self.rewards, flags)
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
+        """Step the envs on the server's ``actions``, clipped to the envs' action space.
+
+        Raises:
+            EdgeRLError: the actions are not of the envs' shape (a server of another env's policy
+                that does not name its env in ``Describe``).
+        """
+        if actions.shape[1:] != self.act_low.shape:
+            raise errors.EdgeRLError(
+                f"the server answers actions of shape {actions.shape[1:]}, "
+                f"{self.env_name} takes {self.act_low.shape}"
+            )
+        actions = np.clip(actions, self.act_low, self.act_high)
         self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
         # NEXT_STEP autoreset: a reset step is no part of an episode. It reports reward 0, so
         # only its length needs the mask.
@@ -157,8 +172,6 @@ class SimWorker:
             _Group(cfg.env_name, list(range(lo, hi)), cfg.seed + lo) for lo, hi in itertools.pairwise(bounds)
         ]
         self._obs_shape = self._groups[0].obs.shape[1:]
-        spec = env_spec(cfg.env_name)  # the envs' own action limits (a network process asks no Describe)
-        self._act_low, self._act_high = spec.act_low, spec.act_high
         self._answered = False
 
     def close(self) -> None:
@@ -196,7 +209,7 @@ class SimWorker:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
-                    info = await client.describe_for(self._obs_shape, cfg.env_name, cfg.env_name)
+                    await client.describe_for(self._obs_shape, cfg.env_name, cfg.env_name)
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,
@@ -206,9 +219,7 @@ class SimWorker:
                     )
                     self._answered = False
                     # Stops promptly even while an answer is pending (e.g. held by backpressure).
-                    await self._unless_stopped(
-                        self._pump(stream, info.act_low, info.act_high, should_stop), should_stop
-                    )
+                    await self._unless_stopped(self._pump(stream, should_stop), should_stop)
                     await stream.close()
                     return self.progress
             except errors.ServerUnavailableError as exc:
@@ -250,9 +261,7 @@ class SimWorker:
             if not task.done():
                 task.cancel()
 
-    async def _pump(
-        self, stream: ActStream, low: np.ndarray, high: np.ndarray, should_stop: Callable[[], bool]
-    ) -> None:
+    async def _pump(self, stream: ActStream, should_stop: Callable[[], bool]) -> None:
         groups, progress = self._groups, self.progress
         for g in groups:
             await g.send(stream)
@@ -261,7 +270,7 @@ class SimWorker:
                 res = await stream.recv()
                 self._answered = True
                 progress.last_policy_version = res.policy_version
-                g.step(np.clip(res.actions, low, high), progress)
+                g.step(res.actions, progress)
                 await g.send(stream)
 
     def run_blocking(
@@ -300,7 +309,7 @@ class SimWorker:
                     next_report = now + 0.2
                 if sent and answered.count >= len(sent[0].ids):
                     g = sent.popleft()
-                    g.step(np.clip(answered.take(len(g.ids)), self._act_low, self._act_high), progress)
+                    g.step(answered.take(len(g.ids)), progress)
                     net.send(epoch, g.rows())
                     sent.append(g)
                     continue

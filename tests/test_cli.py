@@ -22,7 +22,7 @@ from edgerl.launch.processes import fleet_groups
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import ServerThread, act_once, free_port
+from tests.helpers import EchoPolicy, ServerThread, act_once, free_port
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -310,7 +310,7 @@ def test_an_unknown_env_is_refused_before_a_server_starts() -> None:
         assert line == "edgerl: error: env 'NoSuchEnv-v0': Environment `NoSuchEnv` doesn't exist.", line
 
 
-def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
+def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
     # a server that cannot start: test_checkpoints' mislabeled checkpoint
     line = _failed("sim", "--server", "127.0.0.1:1", "--env", "NoSuchEnv-v0", "--envs", "2")
     assert line.startswith("edgerl: error: sim worker exited with codes [1]; sim/worker-0: ValueError"), line
@@ -327,6 +327,14 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line() -> None:
             reason = "the server serves a policy for HalfCheetah-v5, not for Walker2d-v5"
             assert line.endswith(f"{reason} (their observations share the shape (17,))"), line
         assert server.server is not None and server.server.servicer.stats().requests == 0  # nothing served
+    # a server that names no env, its actions of another shape: refused at the first answer
+    sock = str(tmp_path / "act.sock")
+    with ServerThread(EchoPolicy(17, 3), local_socket=sock) as server:
+        for where in (["--server", server.address], ["--server", server.address, "--network-process"]):
+            line = _failed("sim", *where, "--env", "HalfCheetah-v5", "--envs", "2")
+            assert line.endswith("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"), line
+        line = _failed("sim", "--local-socket", sock, "--env", "HalfCheetah-v5", "--envs", "2")
+        assert line.endswith("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"), line
 
 
 def _in_group(pgid: int) -> list[int]:
