@@ -216,10 +216,18 @@ def test_newer_chunk_replaces_older_and_older_is_refused() -> None:
     np.testing.assert_allclose(rec.actions[2], [-0.1, 0.0])
 
 
-def test_wrong_shape_is_dropped() -> None:
+def test_wrong_shape_is_dropped_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     dog, _ = make(clock)
-    assert not dog.submit(np.zeros(3, np.float32), 0, 0.0)
+    with caplog.at_level("WARNING", logger="edgerl.watchdog.watchdog"):
+        for tick in range(50):  # a server of another action shape answers every tick
+            assert not dog.submit(np.zeros(3, np.float32), tick, 0.0)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "dropped an action chunk of shape (3,) (action shape (2,)); "
+        "the next ones of a wrong shape are dropped without a warning"
+    ]
+    assert dog.submit(np.zeros(2, np.float32), 50, 0.0)  # the right shape is taken again
 
 
 def test_apply_error_latches_estop() -> None:

@@ -210,6 +210,7 @@ class Watchdog:
         self._last = self._zero
         self._tick_index = -1
         self._estopped = False
+        self._shape_warned = False  # a server of another action shape warns once, not every tick
         self._consecutive = 0
         self._max_consecutive = 0
         self._counts = dict.fromkeys(
@@ -253,7 +254,14 @@ class Watchdog:
         if arr.shape == self.act_shape:
             arr = arr[None]
         if arr.shape[1:] != self.act_shape or arr.shape[0] < 1:
-            log.warning("dropped an action chunk of shape %s (action shape %s)", arr.shape, self.act_shape)
+            if not self._shape_warned:
+                self._shape_warned = True
+                log.warning(
+                    "dropped an action chunk of shape %s (action shape %s); the next ones of a wrong "
+                    "shape are dropped without a warning",
+                    arr.shape,
+                    self.act_shape,
+                )
             return False
         finite = np.asarray(np.isfinite(arr).reshape(len(arr), -1).all(axis=1))  # outside the lock
         latency = self.clock.now() - obs_time
