@@ -50,7 +50,8 @@ class StreamSettings:
     cpus: tuple[int, ...] = ()
     """CPUs a network process runs on; empty: any."""
     env_name: str = ""
-    """Gymnasium id of the envs behind the stream (empty: robots); the server may check it."""
+    """Gymnasium id of the envs behind the stream (empty: robots); checked against the env the
+    server's ``Describe`` names, where it names one."""
 
     @classmethod
     def of(

@@ -32,7 +32,7 @@ from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.keeper import StreamSettings, check_cpus
 from edgerl.robot_client.security import ClientSecurity
-from edgerl.sim.envs import env_spec, make_vector_env
+from edgerl.sim.envs import make_vector_env
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,12 @@ class WorkerProgress:
 class _Group:
     def __init__(self, env_name: str, ids: list[int], seed: int) -> None:
         self.env_name = env_name
-        spec = env_spec(env_name)  # the envs' own action limits (a network process asks no Describe)
-        self.act_low, self.act_high = spec.act_low, spec.act_high
         self.ids = ids
         self._ids32 = np.asarray(ids, np.int32)  # the ids as every O frame carries them
         self.envs, self.obs = make_vector_env(env_name, len(ids), seed)
+        # The envs' own action space: every answer is checked and clipped against it, whatever
+        # the transport (a network process or the local socket asks no Describe).
+        self.act_low, self.act_high = self.envs.action_limits()
         n = len(ids)
         self.rewards = np.zeros(n, np.float32)
         self.terminated = np.zeros(n, bool)

@@ -121,8 +121,20 @@ class VectorEnv:
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         self.envs = [make_env(env_name, disable_env_checker=True) for _ in range(num_envs)]
+        self.env_name = env_name
         self.num_envs = num_envs
         self._autoreset = np.zeros(num_envs, bool)
+
+    def action_limits(self) -> tuple[np.ndarray, np.ndarray]:
+        """The float32 low and high of one env's action.
+
+        Raises:
+            ValueError: the action space is no continuous box.
+        """
+        space = self.envs[0].action_space
+        if not isinstance(space, gym.spaces.Box):
+            raise ValueError(f"env {self.env_name!r}: edgerl needs a Box action space")
+        return np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)
 
     def reset(self, seed: int) -> np.ndarray:
         """Reset env ``i`` with seed ``seed + i``; float32 observations ``[num_envs, *obs_shape]``."""

@@ -127,9 +127,11 @@ def _refused(*args: str) -> str:
     return _run_refused(*args).stderr
 
 
-@pytest.mark.parametrize("command", [["rollout", "--groups", "2"], ["bench", "throughput"], ["train"]])
+@pytest.mark.parametrize(
+    "command", [["rollout", "--groups", "2"], ["bench", "throughput"], ["train", "--set", "groups=2"]]
+)
 def test_envs_the_workers_cannot_share_are_refused_before_anything_starts(command: list[str]) -> None:
-    out = _run_refused(*command, "--envs", "3", "--workers", "2")  # bench, train: 2 groups by default
+    out = _run_refused(*command, "--envs", "3", "--workers", "2")  # bench: 2 groups by default
     line = out.stderr.splitlines()[-1]  # train names where the value came from
     assert line.startswith("edgerl: error: ")
     assert line.endswith("envs (3) must be >= workers x groups (2 x 2)")
