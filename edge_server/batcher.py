@@ -103,6 +103,15 @@ _Job = tuple[Callable[[], Any], Callable[[Any, BaseException | None], None]]
 result or its exception."""
 
 
+#: Samples the percentiles of :class:`BatcherStats` (and of ``Stats``) are taken over: the last
+#: requests (queue wait) and the last batches (inference time, rows).
+STATS_WINDOW = 8192
+
+
+def _window() -> collections.deque[int]:
+    return collections.deque(maxlen=STATS_WINDOW)
+
+
 @dataclass
 class BatcherStats:
     """Counters since start, plus recent samples for percentiles."""
@@ -112,9 +121,9 @@ class BatcherStats:
     rows: int = 0
     max_batch_rows: int = 0
     rejected_queue_full: int = 0
-    queue_wait_us: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
-    inference_us: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
-    batch_rows: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=8192))
+    queue_wait_us: collections.deque[int] = field(default_factory=_window)
+    inference_us: collections.deque[int] = field(default_factory=_window)
+    batch_rows: collections.deque[int] = field(default_factory=_window)
 
 
 def percentile(samples: collections.deque[int] | list[int], q: float) -> int:

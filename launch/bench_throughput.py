@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from edgerl.edge_server.batcher import STATS_WINDOW
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import (
     LLM_PRESET,
@@ -279,17 +280,32 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
 
 #: The server's counters that :func:`mode_stats` takes per mode: what its runs added to them.
 MODE_COUNTERS = ("requests", "batches", "rows", "rejected_queue_full", "rejected_invalid")
+#: The server's percentiles, each with the counter of the samples it is taken over.
+MODE_PERCENTILES = {
+    "queue_wait_us_p50": "requests",
+    "queue_wait_us_p99": "requests",
+    "inference_us_p50": "batches",
+    "inference_us_p99": "batches",
+}
 
 
 def mode_stats(acc: dict[str, Any] | None, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The server's ``Stats`` for one mode: ``acc`` (its earlier runs, or None) plus what one run
-    (warm-up included) added to the counters, with the percentiles as the server had them after
-    it (over its last 8192 batches). The server is shared by every mode: its own totals since
-    start would count the other modes' requests too, and its largest batch may be theirs."""
-    counters = {k: after[k] - before[k] + (acc[k] if acc else 0) for k in MODE_COUNTERS}
-    totals_only = (*MODE_COUNTERS, "mean_batch_rows", "max_batch_rows")
-    rest = {k: v for k, v in after.items() if k not in totals_only}
-    return {**counters, "mean_batch_rows": round(counters["rows"] / max(1, counters["batches"]), 1), **rest}
+    (warm-up included) added to the counters. The server is shared by every mode: its own totals
+    since start would count the other modes' requests too, and its largest batch may be theirs.
+
+    A percentile is the server's after the run where that run alone filled the server's window
+    (its last :data:`STATS_WINDOW` requests or batches), else None: the window then holds
+    other modes' samples too (a unary run before it leaves thousands of 1-row batches)."""
+    run = {k: after[k] - before[k] for k in MODE_COUNTERS}
+    counters = {k: run[k] + (acc[k] if acc else 0) for k in MODE_COUNTERS}
+    percentiles = {k: after[k] if run[of] >= STATS_WINDOW else None for k, of in MODE_PERCENTILES.items()}
+    return {
+        **counters,
+        "mean_batch_rows": round(counters["rows"] / max(1, counters["batches"]), 1),
+        **percentiles,
+        "policy_version": after["policy_version"],
+    }
 
 
 def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:

@@ -229,21 +229,31 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
 
 
 def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
+    from edgerl.edge_server.batcher import STATS_WINDOW
     from edgerl.launch.bench_throughput import mode_stats
 
-    def stats(requests: int, batches: int, rows: int, queue_full: int = 0) -> dict[str, int]:
+    def stats(requests: int, batches: int, rows: int, queue_full: int = 0) -> dict[str, float]:
         totals = {"requests": requests, "batches": batches, "rows": rows, "rejected_invalid": 0}
-        return {**totals, "rejected_queue_full": queue_full, "max_batch_rows": 64, "inference_us_p50": rows}
+        percentiles = {"queue_wait_us_p50": 11, "queue_wait_us_p99": 99, "inference_us_p50": rows % 1000}
+        extra = {"inference_us_p99": 2000, "max_batch_rows": 64, "mean_batch_rows": 1.0, "policy_version": 7}
+        return {**totals, "rejected_queue_full": queue_full, **percentiles, **extra}
 
     # the server's totals since start hold an earlier mode's 100 requests of one row
     first = mode_stats(None, stats(100, 100, 100), stats(300, 150, 6500, queue_full=2))
     assert first == {
         **{"requests": 200, "batches": 50, "rows": 6400, "rejected_queue_full": 2, "rejected_invalid": 0},
-        **{"mean_batch_rows": 128.0, "inference_us_p50": 6500},  # a percentile: as after the run
+        "mean_batch_rows": 128.0,
+        # the server's window holds the earlier mode's samples too: no percentile is this mode's
+        **dict.fromkeys(["queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99"]),
+        "policy_version": 7,
     }  # no max_batch_rows: the server's largest batch since start may be another mode's
     both = mode_stats(first, stats(1000, 500, 9000), stats(1100, 600, 9100))
     totals = (both["requests"], both["batches"], both["rows"], both["mean_batch_rows"])
     assert totals == (300, 150, 6500, 43.3)
+    # a run whose requests alone fill the window, not its batches (two requests per batch)
+    many = mode_stats(None, stats(0, 0, 0), stats(STATS_WINDOW, STATS_WINDOW // 2, 64 * STATS_WINDOW))
+    assert (many["queue_wait_us_p50"], many["queue_wait_us_p99"]) == (11, 99)  # as after the run
+    assert (many["inference_us_p50"], many["inference_us_p99"]) == (None, None)
 
 
 def test_dtype_is_checked_and_only_for_the_llm_policy() -> None:
@@ -453,6 +463,9 @@ def test_sim_needs_a_server_or_a_local_socket() -> None:
 
 
 def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
+    from edgerl.edge_server.batcher import STATS_WINDOW
+    from edgerl.launch.bench_throughput import MODE_PERCENTILES
+
     path = tmp_path / "bench.json"
     out = _edgerl(
         "bench throughput --env InvertedPendulum-v5 --envs 8 --seconds 1.5 --warmup-s 0.5 --workers 1", path
@@ -476,6 +489,9 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
         st = result[f"server_{mode}"]
         assert 0 < st["batches"] <= st["requests"] <= st["rows"] <= st["batches"] * 8  # 8 envs at most
         assert st["mean_batch_rows"] == round(st["rows"] / st["batches"], 1)
+        # one repeat: a percentile is given where that run alone filled the server's window
+        for key, of in MODE_PERCENTILES.items():
+            assert (st[key] is None) == (st[of] < STATS_WINDOW), (key, st)
 
 
 def test_serve_options_become_the_server_config() -> None:
