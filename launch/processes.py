@@ -719,7 +719,7 @@ class WorkerFleet:
         """
         start = time.monotonic()
         started = all if every else any
-        noted: set[bool] = set()  # what was said: building (True), the server (False)
+        noted: set[str] = set()  # the waits said once each: "build", then "server"
         built_at: float | None = None
         while not started(s.value > 0 for s in self._steps) and not should_stop():
             self.check()
@@ -737,8 +737,9 @@ class WorkerFleet:
                     f"sim workers had not started within {timeout_s:g}s, waiting for {what}"
                     " (their warnings above say why)"
                 )
-            if bool(building) not in noted and now - (built_at or start) > note_after_s:
-                noted.add(bool(building))
+            phase = "build" if building else "server"
+            if phase not in noted and now - (built_at or start) > note_after_s:
+                noted.add(phase)
                 retry = "" if building else " (the workers retry with backoff)"
                 print(f"edgerl: waiting for {what}{retry}", file=sys.stderr, flush=True)
             time.sleep(0.05)

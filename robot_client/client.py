@@ -357,20 +357,23 @@ class EdgeClient:
             action_chunk=max(1, r.action_chunk),
         )
 
-    async def describe_for(self, obs_shape: Sequence[int], owner: str, env_name: str = "") -> ServerInfo:
+    async def describe_for(
+        self, obs_shape: Sequence[int], env_name: str = "", *, owner: str = "the client"
+    ) -> ServerInfo:
         """``describe``, checking that the server serves observations of ``obs_shape`` and, where
         both the server and ``env_name`` name one, a policy for that env: two envs may share
         their shapes (HalfCheetah-v5 and Walker2d-v5 do), and one's policy would then drive the
         other's envs without a word.
 
         Raises:
-            EdgeRLError: the shapes differ (the message names ``owner``, e.g. the env), or the
-                env names do.
+            EdgeRLError: the shapes differ (the message names ``env_name``, or ``owner`` where
+                that is empty), or the env names do.
         """
         info = await self.describe()
         if info.obs_shape != tuple(obs_shape):
             raise errors.EdgeRLError(
-                f"the server serves observations of shape {info.obs_shape}, {owner} has {tuple(obs_shape)}"
+                f"the server serves observations of shape {info.obs_shape}, "
+                f"{env_name or owner} has {tuple(obs_shape)}"
             )
         if env_name and info.env_name and env_name != info.env_name:
             raise errors.EdgeRLError(

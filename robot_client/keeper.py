@@ -157,7 +157,7 @@ class StreamKeeper(Generic[Part]):
                 stream: ActStream | None = None
                 try:
                     # A unary call first: auth and shape errors come back with their own status.
-                    await client.describe_for(cfg.obs_shape, cfg.env_name or "the robots", cfg.env_name)
+                    await client.describe_for(cfg.obs_shape, cfg.env_name, owner="the robots")
                     stream = await client.open_stream(
                         session_id=cfg.session_id,
                         num_envs=cfg.num_envs,

@@ -113,7 +113,8 @@ class _Group:
         self.envs, self.obs = make_vector_env(env_name, len(ids), seed)
         # The envs' own action space: every answer is checked and clipped against it, whatever
         # the transport (a network process or the local socket asks no Describe).
-        self.act_low, self.act_high = self.envs.action_limits()
+        spec = self.envs.spec()
+        self.act_low, self.act_high = spec.act_low, spec.act_high
         n = len(ids)
         self.rewards = np.zeros(n, np.float32)
         self.terminated = np.zeros(n, bool)
@@ -210,7 +211,7 @@ class SimWorker:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
-                    await client.describe_for(self._obs_shape, cfg.env_name, cfg.env_name)
+                    await client.describe_for(self._obs_shape, cfg.env_name)
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,

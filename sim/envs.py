@@ -90,20 +90,29 @@ def env_spec(env_name: str) -> EnvSpec:
     """
     env = make_env(env_name)
     try:
-        obs_space, act_space = env.observation_space, env.action_space
-        if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, gym.spaces.Box):
-            raise ValueError(f"env {env_name!r}: edgerl needs Box observation and action spaces")
-        return EnvSpec(
-            env_name=env_name,
-            obs_shape=tuple(obs_space.shape),
-            act_shape=tuple(act_space.shape),
-            act_low=np.asarray(act_space.low, dtype=np.float32),
-            act_high=np.asarray(act_space.high, dtype=np.float32),
-            obs_low=np.asarray(obs_space.low, dtype=np.float32),
-            obs_high=np.asarray(obs_space.high, dtype=np.float32),
-        )
+        return _spec_of(env, env_name)
     finally:
         env.close()
+
+
+def _spec_of(env: gym.Env[Any, Any], env_name: str) -> EnvSpec:
+    """The spaces of ``env``, an env of ``env_name``.
+
+    Raises:
+        ValueError: its spaces are not continuous boxes.
+    """
+    obs_space, act_space = env.observation_space, env.action_space
+    if not isinstance(obs_space, gym.spaces.Box) or not isinstance(act_space, gym.spaces.Box):
+        raise ValueError(f"env {env_name!r}: edgerl needs Box observation and action spaces")
+    return EnvSpec(
+        env_name=env_name,
+        obs_shape=tuple(obs_space.shape),
+        act_shape=tuple(act_space.shape),
+        act_low=np.asarray(act_space.low, dtype=np.float32),
+        act_high=np.asarray(act_space.high, dtype=np.float32),
+        obs_low=np.asarray(obs_space.low, dtype=np.float32),
+        obs_high=np.asarray(obs_space.high, dtype=np.float32),
+    )
 
 
 class VectorEnv:
@@ -125,16 +134,13 @@ class VectorEnv:
         self.num_envs = num_envs
         self._autoreset = np.zeros(num_envs, bool)
 
-    def action_limits(self) -> tuple[np.ndarray, np.ndarray]:
-        """The float32 low and high of one env's action.
+    def spec(self) -> EnvSpec:
+        """The spaces of one of the envs (:func:`env_spec` without building another).
 
         Raises:
-            ValueError: the action space is no continuous box.
+            ValueError: its spaces are not continuous boxes.
         """
-        space = self.envs[0].action_space
-        if not isinstance(space, gym.spaces.Box):
-            raise ValueError(f"env {self.env_name!r}: edgerl needs a Box action space")
-        return np.asarray(space.low, np.float32), np.asarray(space.high, np.float32)
+        return _spec_of(self.envs[0], self.env_name)
 
     def reset(self, seed: int) -> np.ndarray:
         """Reset env ``i`` with seed ``seed + i``; float32 observations ``[num_envs, *obs_shape]``."""
