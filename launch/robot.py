@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -154,29 +154,48 @@ def build_robots(a: argparse.Namespace) -> list[Robot]:
 def server_chunk(
     server: str,
     security: ClientSecurity | None,
+    robots: Sequence[Robot],
     timeout_s: float = 5.0,
     should_stop: Callable[[], bool] | None = None,
+    *,
+    wait: bool = True,
 ) -> int:
-    """Actions per answer of the policy served at ``server`` (from its Describe); 1, with a
-    warning, if the server cannot be asked now (the robots start anyway and connect later),
-    and 1 at once when ``should_stop()`` (the command was stopped meanwhile)."""
+    """Actions per answer of the policy served at ``server`` (from its Describe), checking that
+    it serves the ``robots``' observation and action shapes.
+
+    The robots never wait for the server: this gives 1 if the server cannot be asked within
+    ``timeout_s`` (with a warning: the robots start anyway and connect later), and 1 at once when
+    ``should_stop()`` (the command was stopped meanwhile). With ``wait`` False (the caller needs
+    no chunk) a server that is not up is not waited for, and not warned about: the shapes are
+    checked where it answers at once.
+
+    Raises:
+        PolicyMismatchError: the server's shapes are not the robots' (nothing is started).
+    """
     from edgerl.robot_client.client import EdgeClient
 
     async def ask() -> int:
         async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
-            if not await client.wait_ready(timeout_s, should_stop=should_stop):
+            if wait and not await client.wait_ready(timeout_s, should_stop=should_stop):
                 return 1
-            return (await client.describe()).action_chunk
+            robot = robots[0]  # a host's robots share their shapes
+            info = await client.describe_for(
+                robot.obs_shape, act_shape=np.shape(robot.action_low), owner="the robot host"
+            )
+            return info.action_chunk
 
     try:
         return asyncio.run(ask())
+    except errors.PolicyMismatchError:
+        raise
     except errors.EdgeRLError as exc:
-        log.warning(
-            "could not ask %s for its action chunk within %gs (%s): single-action deadline and refill",
-            server,
-            timeout_s,
-            exc,
-        )
+        if wait:
+            log.warning(
+                "could not ask %s for its action chunk within %gs (%s): single-action deadline and refill",
+                server,
+                timeout_s,
+                exc,
+            )
         return 1
 
 
@@ -220,8 +239,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     stop = threading.Event()
     with on_stop_signals(lambda *_: stop.set()):
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
-        asked = a.deadline_ms is None or a.refill_at is None
-        chunk = server_chunk(a.server, security, should_stop=stop.is_set) if asked else 1
+        try:  # the server's shapes are checked before any robot is touched
+            asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed
+            chunk = server_chunk(a.server, security, robots, should_stop=stop.is_set, wait=asked)
+        except errors.PolicyMismatchError as exc:
+            for robot in robots:
+                robot.close()
+            print(f"edgerl robot: {exc}", file=sys.stderr, flush=True)
+            return 1
         cfg = dataclasses.replace(runner_config(a, chunk), security=security)
         if chunk > 1:
             print(

@@ -358,25 +358,34 @@ class EdgeClient:
         )
 
     async def describe_for(
-        self, obs_shape: Sequence[int], env_name: str = "", *, owner: str = "the client"
+        self,
+        obs_shape: Sequence[int],
+        env_name: str = "",
+        *,
+        act_shape: Sequence[int] | None = None,
+        owner: str = "the client",
     ) -> ServerInfo:
-        """``describe``, checking that the server serves observations of ``obs_shape`` and, where
-        both the server and ``env_name`` name one, a policy for that env: two envs may share
-        their shapes (HalfCheetah-v5 and Walker2d-v5 do), and one's policy would then drive the
-        other's envs without a word.
+        """``describe``, checking that the server serves observations of ``obs_shape``, actions
+        of ``act_shape`` (where given) and, where both the server and ``env_name`` name one, a
+        policy for that env: two envs may share their shapes (HalfCheetah-v5 and Walker2d-v5 do),
+        and one's policy would then drive the other's envs without a word.
 
         Raises:
-            EdgeRLError: the shapes differ (the message names ``env_name``, or ``owner`` where
-                that is empty), or the env names do.
+            PolicyMismatchError: the shapes differ (the message names ``env_name``, or ``owner``
+                where that is empty), or the env names do.
         """
         info = await self.describe()
+        who = env_name or owner
         if info.obs_shape != tuple(obs_shape):
-            raise errors.EdgeRLError(
-                f"the server serves observations of shape {info.obs_shape}, "
-                f"{env_name or owner} has {tuple(obs_shape)}"
+            raise errors.PolicyMismatchError(
+                f"the server serves observations of shape {info.obs_shape}, {who} has {tuple(obs_shape)}"
+            )
+        if act_shape is not None and info.act_shape != tuple(act_shape):
+            raise errors.PolicyMismatchError(
+                f"the server answers actions of shape {info.act_shape}, {who} takes {tuple(act_shape)}"
             )
         if env_name and info.env_name and env_name != info.env_name:
-            raise errors.EdgeRLError(
+            raise errors.PolicyMismatchError(
                 f"the server serves a policy for {info.env_name}, not for {env_name} "
                 f"(their observations share the shape {info.obs_shape})"
             )

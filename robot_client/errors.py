@@ -66,6 +66,11 @@ class PermissionDeniedError(RpcError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class PolicyMismatchError(EdgeRLError):
+    """The server serves a policy for other observations or actions than the client's, or for
+    another env; retrying does not help (the message names both sides)."""
+
+
 class ProtocolError(EdgeRLError):
     """The server answered something the contract does not allow (e.g. out of order)."""
 

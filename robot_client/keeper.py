@@ -52,10 +52,20 @@ class StreamSettings:
     env_name: str = ""
     """Gymnasium id of the envs behind the stream (empty: robots); checked against the env the
     server's ``Describe`` names, where it names one."""
+    act_shape: tuple[int, ...] | None = None
+    """Shape of one action of the envs or robots behind the stream, checked against the
+    server's; None: not checked."""
 
     @classmethod
     def of(
-        cls, link: _LinkConfig, session_id: str, num_envs: int, obs_shape: tuple[int, ...], env_name: str = ""
+        cls,
+        link: _LinkConfig,
+        session_id: str,
+        num_envs: int,
+        obs_shape: tuple[int, ...],
+        *,
+        act_shape: tuple[int, ...] | None = None,
+        env_name: str = "",
     ) -> StreamSettings:
         """The settings of a stream that a robot host's or a sim worker's config describes."""
         return cls(
@@ -70,6 +80,7 @@ class StreamSettings:
             log_level=logging.getLogger("edgerl").getEffectiveLevel(),
             cpus=tuple(link.network_cpus),
             env_name=env_name,
+            act_shape=None if act_shape is None else tuple(act_shape),
         )
 
 
@@ -157,7 +168,9 @@ class StreamKeeper(Generic[Part]):
                 stream: ActStream | None = None
                 try:
                     # A unary call first: auth and shape errors come back with their own status.
-                    await client.describe_for(cfg.obs_shape, cfg.env_name, owner="the robots")
+                    await client.describe_for(
+                        cfg.obs_shape, cfg.env_name, act_shape=cfg.act_shape, owner="the robot host"
+                    )
                     stream = await client.open_stream(
                         session_id=cfg.session_id,
                         num_envs=cfg.num_envs,

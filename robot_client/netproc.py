@@ -69,6 +69,8 @@ def decode_settings(payload: bytes) -> StreamSettings:
     fields = json.loads(payload[1:])
     fields["obs_shape"] = tuple(fields["obs_shape"])
     fields["cpus"] = tuple(fields["cpus"])
+    if fields["act_shape"] is not None:
+        fields["act_shape"] = tuple(fields["act_shape"])
     return StreamSettings(**fields)
 
 

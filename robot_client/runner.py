@@ -658,10 +658,14 @@ class RobotHost:
         shapes = {tuple(r.obs_shape) for r in robots}
         if len(shapes) != 1:
             raise ValueError(f"robots of one host need one observation shape, got {sorted(shapes)}")
+        act_shapes = {np.shape(r.action_low) for r in robots}
+        if len(act_shapes) != 1:
+            raise ValueError(f"robots of one host need one action shape, got {sorted(act_shapes)}")
         names = [r.name for r in robots]
         if len(set(names)) != len(names):
             raise ValueError(f"robot names must be unique, got {names}")
         self.obs_shape = shapes.pop()
+        self.act_shape: tuple[int, ...] = act_shapes.pop()
         self.config = config
         # a robot without a name (``edgerl robot`` names a lone robot "") gets host/pid too: the
         # server refuses an empty session id, and the stream would be refused and reopened forever
@@ -672,7 +676,9 @@ class RobotHost:
         )
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
-        settings = StreamSettings.of(config, self.session_id, len(self.links), self.obs_shape)
+        settings = StreamSettings.of(
+            config, self.session_id, len(self.links), self.obs_shape, act_shape=self.act_shape
+        )
         outbox = _ProcessOutbox if config.network_process else _ThreadOutbox
         self._outbox: _Outbox = outbox(self.links, settings, self.clock)
         for link in self.links:

@@ -174,6 +174,7 @@ class SimWorker:
             _Group(cfg.env_name, list(range(lo, hi)), cfg.seed + lo) for lo, hi in itertools.pairwise(bounds)
         ]
         self._obs_shape = self._groups[0].obs.shape[1:]
+        self._act_shape = self._groups[0].act_low.shape
         self._answered = False
 
     def close(self) -> None:
@@ -211,7 +212,7 @@ class SimWorker:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
-                    await client.describe_for(self._obs_shape, cfg.env_name)
+                    await client.describe_for(self._obs_shape, cfg.env_name, act_shape=self._act_shape)
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,
@@ -293,7 +294,14 @@ class SimWorker:
         cfg = self.config
         groups, progress = self._groups, self.progress
         where = cfg.local_socket or cfg.server
-        settings = StreamSettings.of(cfg, self.session_id, cfg.num_envs, self._obs_shape, cfg.env_name)
+        settings = StreamSettings.of(
+            cfg,
+            self.session_id,
+            cfg.num_envs,
+            self._obs_shape,
+            act_shape=self._act_shape,
+            env_name=cfg.env_name,
+        )
         net: _NetworkEnd | _LocalEnd = (
             _LocalEnd(cfg.local_socket, settings) if cfg.local_socket else _NetworkEnd(settings)
         )

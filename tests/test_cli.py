@@ -339,12 +339,14 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Pat
             reason = "the server serves a policy for HalfCheetah-v5, not for Walker2d-v5"
             assert line.endswith(f"{reason} (their observations share the shape (17,))"), line
         assert server.server is not None and server.server.servicer.stats().requests == 0  # nothing served
-    # a server that names no env, its actions of another shape: refused at the first answer
+    # a server that names no env, its actions of another shape: refused at Describe over gRPC, at
+    # the first answer over the local socket (which has no Describe)
     sock = str(tmp_path / "act.sock")
     with ServerThread(EchoPolicy(17, 3), local_socket=sock) as server:
         for where in (["--server", server.address], ["--server", server.address, "--network-process"]):
             line = _failed("sim", *where, "--env", "HalfCheetah-v5", "--envs", "2")
             assert line.endswith("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"), line
+        assert server.server is not None and server.server.servicer.stats().requests == 0
         line = _failed("sim", "--local-socket", sock, "--env", "HalfCheetah-v5", "--envs", "2")
         assert line.endswith("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"), line
 

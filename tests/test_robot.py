@@ -306,8 +306,13 @@ def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
 def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
     from edgerl.launch.robot import server_chunk
 
-    assert server_chunk("127.0.0.1:1", None, timeout_s=0.5) == 1
+    assert server_chunk("127.0.0.1:1", None, [CounterRobot()], timeout_s=0.5) == 1
     assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
+    # not waiting (the deadline and refill were given): no wait, and no warning
+    caplog.clear()
+    t0 = time.monotonic()
+    assert server_chunk("127.0.0.1:1", None, [CounterRobot()], timeout_s=30.0, wait=False) == 1
+    assert time.monotonic() - t0 < 5.0 and "could not ask" not in caplog.text
 
     # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
     # connectivity watch given up on completes later, into the closed loop)
@@ -322,7 +327,13 @@ def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCa
 
     t0 = time.monotonic()
     assert (
-        server_chunk("127.0.0.1:1", None, timeout_s=30.0, should_stop=lambda: time.monotonic() > t0 + 0.5)
+        server_chunk(
+            "127.0.0.1:1",
+            None,
+            [CounterRobot()],
+            timeout_s=30.0,
+            should_stop=lambda: time.monotonic() > t0 + 0.5,
+        )
         == 1
     )
     assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the probe may take
@@ -339,6 +350,50 @@ def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCa
     assert "no stream to" not in caplog.text
     run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
+
+
+def test_robots_behind_a_server_of_other_shapes_are_refused_before_they_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """CounterRobot: 3 observations, 2 actions. ``edgerl robot`` checks the server's shapes before
+    it starts a robot, whether or not it needs the server's chunk; a host started anyway (the
+    library) refuses the server at every connect and runs on fallbacks, saying why."""
+    cases = {
+        "the server answers actions of shape (1,), the robot host takes (2,)": EchoPolicy(3, 1),
+        "the server serves observations of shape (4,), the robot host has (3,)": EchoPolicy(4, 2),
+    }
+    for reason, policy in cases.items():
+        with ServerThread(policy) as srv:
+            for extra in ([], ["--deadline-ms", "20", "--refill-at", "1"]):
+                t0 = time.monotonic()
+                code = main(
+                    ["robot", "--server", srv.address, "--robot", "tests.test_robot:CounterRobot",
+                     "--seconds", "30", *extra]
+                )  # fmt: skip
+                assert code == 1 and time.monotonic() - t0 < 10.0  # not the 30 s run
+                assert capsys.readouterr().err.splitlines()[-1] == f"edgerl robot: {reason}"
+            assert srv.server is not None and srv.server.servicer.stats().requests == 0
+
+
+def test_a_robot_host_refuses_a_server_of_another_action_shape_at_connect(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with ServerThread(EchoPolicy(3, 1)) as srv:
+        host = RobotHost([CounterRobot()], _config(srv.address, connect_timeout_s=1.0))
+        (stats,) = _run(host, 0.5)
+        assert srv.server is not None and srv.server.servicer.stats().requests == 0
+    assert not host.connected and stats["policy_ticks"] == 0 and stats["fallbacks"] == stats["ticks"] > 0
+    assert "the server answers actions of shape (1,), the robot host takes (2,)" in caplog.text
+    assert "dropped an action chunk" not in caplog.text
+
+
+def test_robots_of_one_host_share_their_action_shape() -> None:
+    class Wider(CounterRobot):
+        action_low = np.full(3, -1.0, np.float32)
+        action_high = np.full(3, 1.0, np.float32)
+
+    with pytest.raises(ValueError, match=r"one action shape, got \[\(2,\), \(3,\)\]"):
+        RobotHost([CounterRobot("a"), Wider("b")], _config("127.0.0.1:1"))
 
 
 def test_chunk_backend_needs_matching_output() -> None:
