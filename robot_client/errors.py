@@ -97,11 +97,26 @@ def from_grpc(exc: grpc.RpcError) -> RpcError:
     return cls(details or code.name, code)
 
 
+_NOT_RPC: dict[str, type[EdgeRLError]] = {cls.__name__: cls for cls in (PolicyMismatchError, ProtocolError)}
+
+
+def code_of(error: EdgeRLError) -> str:
+    """What names ``error``'s kind across processes (:func:`from_code` makes it again): its gRPC
+    status name, the class name of an error that has none, or empty for a plain EdgeRLError."""
+    if isinstance(error, RpcError):
+        name: str = error.code.name
+        return name
+    return type(error).__name__ if type(error).__name__ in _NOT_RPC else ""
+
+
 def from_code(code_name: str, details: str) -> EdgeRLError:
     """The named error for a status code given by name (as a network process reports it).
 
-    An empty name gives a plain :class:`EdgeRLError` (a failure with no gRPC status)."""
+    An empty name gives a plain :class:`EdgeRLError` (a failure with no gRPC status), the name of
+    an error class without a status (:func:`code_of`) that class."""
     if not code_name:
         return EdgeRLError(details)
+    if code_name in _NOT_RPC:
+        return _NOT_RPC[code_name](details)
     code = grpc.StatusCode[code_name] if code_name in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
     return _BY_CODE.get(code, RpcError)(details, code)

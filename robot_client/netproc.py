@@ -50,9 +50,8 @@ from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
 
 
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
-    code = error.code.name if isinstance(error, errors.RpcError) else ""
     details = error.details if isinstance(error, errors.RpcError) else str(error)
-    return encode_failure(epoch, code, details)
+    return encode_failure(epoch, errors.code_of(error), details)
 
 
 def decode_down(payload: bytes) -> tuple[int, errors.EdgeRLError]:

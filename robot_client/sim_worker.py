@@ -135,11 +135,12 @@ class _Group:
         """Step the envs on the server's ``actions``, clipped to the envs' action space.
 
         Raises:
-            EdgeRLError: the actions are not of the envs' shape (a server of another env's policy
-                that does not name its env in ``Describe``).
+            PolicyMismatchError: the actions are not of the envs' shape (a server of another
+                env's policy that does not name its env in ``Describe``, met over the local socket,
+                which has no ``Describe``).
         """
         if actions.shape[1:] != self.act_low.shape:
-            raise errors.EdgeRLError(
+            raise errors.PolicyMismatchError(
                 f"the server answers actions of shape {actions.shape[1:]}, "
                 f"{self.env_name} takes {self.act_low.shape}"
             )

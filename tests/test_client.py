@@ -187,7 +187,7 @@ def test_network_process_worker_raises_what_the_server_refused() -> None:
                 network_process=True,
             )
             with pytest.raises(
-                errors.EdgeRLError, match=r"serves observations of shape \(4,\), HalfCheetah-v5"
+                errors.PolicyMismatchError, match=r"serves observations of shape \(4,\), HalfCheetah-v5"
             ):
                 await asyncio.wait_for(worker.run(), 30)
             worker.close()
@@ -202,6 +202,8 @@ def test_a_failure_reported_by_name_is_the_same_named_error() -> None:
     for sent in (
         errors.ServerUnavailableError("gone"),
         errors.PermissionDeniedError("no"),
+        errors.PolicyMismatchError("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"),
+        errors.ProtocolError("an answer out of order"),
         errors.EdgeRLError("x"),
     ):
         epoch, got = netproc.decode_down(frames.split_frames(bytearray(netproc.encode_down(7, sent)))[0])
