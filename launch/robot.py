@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITI
 from edgerl.launch.processes import on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
-from edgerl.robot_client.robot import Robot, load_robot, robot_class
+from edgerl.robot_client.robot import Robot, RobotKind, load_robot, robot_class
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
@@ -154,14 +154,15 @@ def build_robots(a: argparse.Namespace) -> list[Robot]:
 def server_chunk(
     server: str,
     security: ClientSecurity | None,
-    robots: Sequence[Robot],
+    kind: RobotKind,
     timeout_s: float = 5.0,
     should_stop: Callable[[], bool] | None = None,
     *,
     wait: bool = True,
 ) -> int:
     """Actions per answer of the policy served at ``server`` (from its Describe), checking that
-    it serves the ``robots``' observation and action shapes.
+    it serves robots of ``kind``: their observation and action shapes, and their env where both
+    name one.
 
     The robots never wait for the server: this gives 1 if the server cannot be asked within
     ``timeout_s`` (with a warning: the robots start anyway and connect later), and 1 at once when
@@ -170,7 +171,7 @@ def server_chunk(
     checked where it answers at once.
 
     Raises:
-        PolicyMismatchError: the server's shapes are not the robots' (nothing is started).
+        PolicyMismatchError: the server's policy is not for these robots (nothing is started).
     """
     from edgerl.robot_client.client import EdgeClient
 
@@ -178,9 +179,8 @@ def server_chunk(
         async with EdgeClient(server, security=security, timeout_s=timeout_s) as client:
             if wait and not await client.wait_ready(timeout_s, should_stop=should_stop):
                 return 1
-            robot = robots[0]  # a host's robots share their shapes
             info = await client.describe_for(
-                robot.obs_shape, act_shape=np.shape(robot.action_low), owner="the robot host"
+                kind.obs_shape, kind.env_name, act_shape=kind.act_shape, owner="the robot host"
             )
             return info.action_chunk
 
@@ -241,7 +241,9 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
         try:  # the server's shapes are checked before any robot is touched
             asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed
-            chunk = server_chunk(a.server, security, robots, should_stop=stop.is_set, wait=asked)
+            chunk = server_chunk(
+                a.server, security, RobotKind.of(robots), should_stop=stop.is_set, wait=asked
+            )
         except errors.PolicyMismatchError as exc:
             for robot in robots:
                 robot.close()

@@ -3,13 +3,19 @@
 ``Robot`` is a structural protocol: a driver implements these members and
 needs nothing of edgerl. All calls come from the control-loop thread, once
 per tick; none may block for long (they run inside the watchdog's tick).
+
+A robot that runs a gymnasium task (the MuJoCo robot of ``edgerl.sim.robot``)
+may also have ``env_name``, the task's id: a server whose policy is for
+another env is then refused, as it is for sim workers. A real robot leaves it
+out, and only its shapes are checked.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -72,6 +78,41 @@ class Robot(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RobotKind:
+    """What the robots of one host share, and a server's policy must serve."""
+
+    obs_shape: tuple[int, ...]
+    act_shape: tuple[int, ...]
+    env_name: str
+    """The gymnasium id of the robots' task, where they have one (``env_name``); else empty."""
+
+    @classmethod
+    def of(cls, robots: Sequence[Robot]) -> RobotKind:
+        """The kind of ``robots``.
+
+        Raises:
+            ValueError: there are none, or they differ in a shape or their env.
+        """
+        if not robots:
+            raise ValueError("a robot host needs at least one robot")
+        return cls(
+            _one("observation shape", {tuple(r.obs_shape) for r in robots}),
+            _one("action shape", {tuple(np.shape(r.action_low)) for r in robots}),
+            _one("env", {str(getattr(r, "env_name", "")) for r in robots}),
+        )
+
+
+T = TypeVar("T")
+
+
+def _one(what: str, values: set[T]) -> T:
+    """The one value that the robots of a host share."""
+    if len(values) != 1:
+        raise ValueError(f"robots of one host need one {what}, got {sorted(values)}")  # type: ignore[type-var]
+    return next(iter(values))
 
 
 def robot_class(spec: str) -> type:

@@ -58,7 +58,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus
-from edgerl.robot_client.robot import Reading, Robot
+from edgerl.robot_client.robot import Reading, Robot, RobotKind
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.loop import ControlLoop, slot_count
@@ -653,19 +653,11 @@ class RobotHost:
         clock: Clock | None = None,
         on_tick: TickHook | None = None,
     ) -> None:
-        if not robots:
-            raise ValueError("a robot host needs at least one robot")
-        shapes = {tuple(r.obs_shape) for r in robots}
-        if len(shapes) != 1:
-            raise ValueError(f"robots of one host need one observation shape, got {sorted(shapes)}")
-        act_shapes = {np.shape(r.action_low) for r in robots}
-        if len(act_shapes) != 1:
-            raise ValueError(f"robots of one host need one action shape, got {sorted(act_shapes)}")
+        self.kind = RobotKind.of(robots)
         names = [r.name for r in robots]
         if len(set(names)) != len(names):
             raise ValueError(f"robot names must be unique, got {names}")
-        self.obs_shape = shapes.pop()
-        self.act_shape: tuple[int, ...] = act_shapes.pop()
+        self.obs_shape = self.kind.obs_shape
         self.config = config
         # a robot without a name (``edgerl robot`` names a lone robot "") gets host/pid too: the
         # server refuses an empty session id, and the stream would be refused and reopened forever
@@ -676,8 +668,14 @@ class RobotHost:
         )
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
+        kind = self.kind
         settings = StreamSettings.of(
-            config, self.session_id, len(self.links), self.obs_shape, act_shape=self.act_shape
+            config,
+            self.session_id,
+            len(self.links),
+            kind.obs_shape,
+            act_shape=kind.act_shape,
+            env_name=kind.env_name,
         )
         outbox = _ProcessOutbox if config.network_process else _ThreadOutbox
         self._outbox: _Outbox = outbox(self.links, settings, self.clock)

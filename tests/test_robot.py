@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,9 @@ from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
-from edgerl.robot_client.robot import Robot, RobotState, load_robot
+from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
+from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread, run_a_later_grpc_loop
@@ -303,15 +305,18 @@ def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
     assert RobotHost([CounterRobot(name="arm")], _config("127.0.0.1:1")).session_id == "arm"
 
 
+KIND = RobotKind.of([CounterRobot()])
+
+
 def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
     from edgerl.launch.robot import server_chunk
 
-    assert server_chunk("127.0.0.1:1", None, [CounterRobot()], timeout_s=0.5) == 1
+    assert server_chunk("127.0.0.1:1", None, KIND, timeout_s=0.5) == 1
     assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
     # not waiting (the deadline and refill were given): no wait, and no warning
     caplog.clear()
     t0 = time.monotonic()
-    assert server_chunk("127.0.0.1:1", None, [CounterRobot()], timeout_s=30.0, wait=False) == 1
+    assert server_chunk("127.0.0.1:1", None, KIND, timeout_s=30.0, wait=False) == 1
     assert time.monotonic() - t0 < 5.0 and "could not ask" not in caplog.text
 
     # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
@@ -330,7 +335,7 @@ def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCa
         server_chunk(
             "127.0.0.1:1",
             None,
-            [CounterRobot()],
+            KIND,
             timeout_s=30.0,
             should_stop=lambda: time.monotonic() > t0 + 0.5,
         )
@@ -352,48 +357,76 @@ def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCa
     assert "Event loop is closed" not in caplog.text
 
 
-def test_robots_behind_a_server_of_other_shapes_are_refused_before_they_start(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """CounterRobot: 3 observations, 2 actions. ``edgerl robot`` checks the server's shapes before
-    it starts a robot, whether or not it needs the server's chunk; a host started anyway (the
-    library) refuses the server at every connect and runs on fallbacks, saying why."""
-    cases = {
-        "the server answers actions of shape (1,), the robot host takes (2,)": EchoPolicy(3, 1),
-        "the server serves observations of shape (4,), the robot host has (3,)": EchoPolicy(4, 2),
-    }
-    for reason, policy in cases.items():
-        with ServerThread(policy) as srv:
-            for extra in ([], ["--deadline-ms", "20", "--refill-at", "1"]):
-                t0 = time.monotonic()
-                code = main(
-                    ["robot", "--server", srv.address, "--robot", "tests.test_robot:CounterRobot",
-                     "--seconds", "30", *extra]
-                )  # fmt: skip
-                assert code == 1 and time.monotonic() - t0 < 10.0  # not the 30 s run
-                assert capsys.readouterr().err.splitlines()[-1] == f"edgerl robot: {reason}"
-            assert srv.server is not None and srv.server.servicer.stats().requests == 0
+def _cheetah_server() -> ServerThread:
+    """A server of a policy for HalfCheetah-v5 that names its env (as ``edgerl serve`` does)."""
+    spec = env_spec("HalfCheetah-v5")
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
+    return ServerThread(TorchPolicyBackend(net, spec.act_low, spec.act_high), env_name="HalfCheetah-v5")
 
 
-def test_a_robot_host_refuses_a_server_of_another_action_shape_at_connect(
-    caplog: pytest.LogCaptureFixture,
+COUNTER = ["--robot", "tests.test_robot:CounterRobot"]  # 3 observations, 2 actions
+WALKER = ["--robot-arg", "env=Walker2d-v5"]  # MujocoRobot: the shapes of HalfCheetah-v5, 17 and 6
+MISMATCHES: dict[str, tuple[Callable[[], ServerThread], list[str], str]] = {
+    "actions": (lambda: ServerThread(EchoPolicy(3, 1)), COUNTER,
+                "the server answers actions of shape (1,), the robot host takes (2,)"),
+    "observations": (lambda: ServerThread(EchoPolicy(4, 2)), COUNTER,
+                     "the server serves observations of shape (4,), the robot host has (3,)"),
+    "env": (_cheetah_server, WALKER, "the server serves a policy for HalfCheetah-v5, not for Walker2d-v5 "
+            "(their observations share the shape (17,))"),
+}  # fmt: skip
+"""A server whose policy is not for the robots: how it is made, the robots (``edgerl robot``'s
+options), and the reason they are refused."""
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_robots_behind_a_server_of_another_policy_are_refused_before_they_start(
+    case: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with ServerThread(EchoPolicy(3, 1)) as srv:
-        host = RobotHost([CounterRobot()], _config(srv.address, connect_timeout_s=1.0))
+    """``edgerl robot`` checks the server's policy before it starts a robot, whether or not it
+    needs the server's chunk."""
+    server, robot, reason = MISMATCHES[case]
+    with server() as srv:
+        for extra in ([], ["--deadline-ms", "20", "--refill-at", "1"]):
+            t0 = time.monotonic()
+            code = main(["robot", "--server", srv.address, *robot, "--seconds", "30", *extra])
+            assert code == 1 and time.monotonic() - t0 < 10.0  # not the 30 s run
+            assert capsys.readouterr().err.splitlines()[-1] == f"edgerl robot: {reason}"
+        assert srv.server is not None and srv.server.servicer.stats().requests == 0
+
+
+@pytest.mark.parametrize("case", ["actions", "env"])
+def test_a_robot_host_refuses_a_server_of_another_policy_at_connect(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host started anyway (the library) refuses the server at every connect and runs on
+    fallbacks, saying why."""
+    server, _, reason = MISMATCHES[case]
+    robot = CounterRobot() if case == "actions" else MujocoRobot("Walker2d-v5", hz=HZ)
+    with server() as srv:
+        host = RobotHost([robot], _config(srv.address, connect_timeout_s=1.0))
         (stats,) = _run(host, 0.5)
         assert srv.server is not None and srv.server.servicer.stats().requests == 0
     assert not host.connected and stats["policy_ticks"] == 0 and stats["fallbacks"] == stats["ticks"] > 0
-    assert "the server answers actions of shape (1,), the robot host takes (2,)" in caplog.text
+    assert reason in caplog.text
     assert "dropped an action chunk" not in caplog.text
 
 
-def test_robots_of_one_host_share_their_action_shape() -> None:
+def test_robots_of_one_host_share_their_shapes_and_env() -> None:
     class Wider(CounterRobot):
         action_low = np.full(3, -1.0, np.float32)
         action_high = np.full(3, 1.0, np.float32)
 
+    class Named(CounterRobot):
+        env_name = "Pusher-v5"
+
+    assert RobotKind.of([CounterRobot("a"), CounterRobot("b")]) == RobotKind((3,), (2,), "")
+    assert RobotKind.of([Named("a")]) == RobotKind((3,), (2,), "Pusher-v5")
     with pytest.raises(ValueError, match=r"one action shape, got \[\(2,\), \(3,\)\]"):
         RobotHost([CounterRobot("a"), Wider("b")], _config("127.0.0.1:1"))
+    with pytest.raises(ValueError, match=r"one env, got \['', 'Pusher-v5'\]"):
+        RobotHost([CounterRobot("a"), Named("b")], _config("127.0.0.1:1"))
+    with pytest.raises(ValueError, match="at least one robot"):
+        RobotKind.of([])
 
 
 def test_chunk_backend_needs_matching_output() -> None:
@@ -403,8 +436,6 @@ def test_chunk_backend_needs_matching_output() -> None:
 
 
 def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from edgerl.sim.envs import env_spec
-
     spec = env_spec("InvertedPendulum-v5")
     net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
     out = tmp_path / "robot.json"
