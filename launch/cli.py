@@ -468,8 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive --robots instances of --robot at --hz: the watchdog applies fresh policy "
         "actions and fallbacks otherwise, streams observations to --server, and tells the server "
         "which steps used a fallback. Ctrl-C stops. At start it asks the server (Describe) for its "
-        "action chunk and checks that the server serves the robots' observation and action shapes. "
-        "Exit status 1 when it does not (no robot is started), "
+        "action chunk and checks that its policy is for the robots: their observation and action "
+        "shapes, and their env where both name one (a MujocoRobot does). "
+        "Exit status 1 when it is not (no robot starts), "
         f"{robot_cli.ESTOPPED_STATUS} when a robot ended e-stopped.",
     )
     robot_cli.add_arguments(p)

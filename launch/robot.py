@@ -151,7 +151,7 @@ def build_robots(a: argparse.Namespace) -> list[Robot]:
     return robots
 
 
-def server_chunk(
+def ask_server(
     server: str,
     security: ClientSecurity | None,
     kind: RobotKind,
@@ -160,9 +160,9 @@ def server_chunk(
     *,
     wait: bool = True,
 ) -> int:
-    """Actions per answer of the policy served at ``server`` (from its Describe), checking that
-    it serves robots of ``kind``: their observation and action shapes, and their env where both
-    name one.
+    """Ask the server at ``server`` (its Describe) before the robots start: the actions per
+    answer of its policy, checking that the policy is for robots of ``kind`` (their observation
+    and action shapes, and their env where both name one).
 
     The robots never wait for the server: this gives 1 if the server cannot be asked within
     ``timeout_s`` (with a warning: the robots start anyway and connect later), and 1 at once when
@@ -241,9 +241,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
         try:  # the server's shapes are checked before any robot is touched
             asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed
-            chunk = server_chunk(
-                a.server, security, RobotKind.of(robots), should_stop=stop.is_set, wait=asked
-            )
+            chunk = ask_server(a.server, security, RobotKind.of(robots), should_stop=stop.is_set, wait=asked)
         except errors.PolicyMismatchError as exc:
             for robot in robots:
                 robot.close()

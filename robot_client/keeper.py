@@ -50,8 +50,8 @@ class StreamSettings:
     cpus: tuple[int, ...] = ()
     """CPUs a network process runs on; empty: any."""
     env_name: str = ""
-    """Gymnasium id of the envs behind the stream (empty: robots); checked against the env the
-    server's ``Describe`` names, where it names one."""
+    """Gymnasium id of the envs or robots behind the stream (empty: robots that run no gymnasium
+    task); checked against the env the server's ``Describe`` names, where it names one."""
     act_shape: tuple[int, ...] | None = None
     """Shape of one action of the envs or robots behind the stream, checked against the
     server's; None: not checked."""

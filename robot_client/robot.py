@@ -105,13 +105,13 @@ class RobotKind:
         )
 
 
-T = TypeVar("T")
+T = TypeVar("T", tuple[int, ...], str)
 
 
 def _one(what: str, values: set[T]) -> T:
     """The one value that the robots of a host share."""
     if len(values) != 1:
-        raise ValueError(f"robots of one host need one {what}, got {sorted(values)}")  # type: ignore[type-var]
+        raise ValueError(f"robots of one host need one {what}, got {sorted(values)}")
     return next(iter(values))
 
 

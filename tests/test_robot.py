@@ -308,15 +308,15 @@ def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
 KIND = RobotKind.of([CounterRobot()])
 
 
-def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
-    from edgerl.launch.robot import server_chunk
+def test_the_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
+    from edgerl.launch.robot import ask_server
 
-    assert server_chunk("127.0.0.1:1", None, KIND, timeout_s=0.5) == 1
+    assert ask_server("127.0.0.1:1", None, KIND, timeout_s=0.5) == 1
     assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
     # not waiting (the deadline and refill were given): no wait, and no warning
     caplog.clear()
     t0 = time.monotonic()
-    assert server_chunk("127.0.0.1:1", None, KIND, timeout_s=30.0, wait=False) == 1
+    assert ask_server("127.0.0.1:1", None, KIND, timeout_s=30.0, wait=False) == 1
     assert time.monotonic() - t0 < 5.0 and "could not ask" not in caplog.text
 
     # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
@@ -328,11 +328,11 @@ def test_server_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFix
 def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCaptureFixture) -> None:
     """edgerl robot asks the server for its chunk, then waits for the robots' stream; Ctrl-C or
     SIGTERM (``should_stop``) ends either wait, however long it may last."""
-    from edgerl.launch.robot import server_chunk
+    from edgerl.launch.robot import ask_server
 
     t0 = time.monotonic()
     assert (
-        server_chunk(
+        ask_server(
             "127.0.0.1:1",
             None,
             KIND,
