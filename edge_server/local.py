@@ -228,7 +228,7 @@ class _LocalStream(asyncio.Protocol):
                 f"settings: not a JSON object of the stream's settings ({exc})",
             ) from None
         servicer = self._servicer
-        spec = check_hello(hello, servicer.obs_shape, servicer.limits.max_envs_per_stream)
+        spec = check_hello(hello, servicer.obs_shape, servicer.limits.max_envs_per_stream, servicer.env_name)
         if servicer.batcher.closing:
             raise BatcherClosedError("the server is shutting down")
         store = servicer.store

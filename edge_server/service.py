@@ -177,7 +177,9 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                             grpc.StatusCode.FAILED_PRECONDITION,
                             f"{kind or 'request'}: the first message of an Act stream must be a StreamHello",
                         )
-                    spec = check_hello(req.hello, self.obs_shape, self.limits.max_envs_per_stream)
+                    spec = check_hello(
+                        req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
+                    )
                     slots = self.batcher.open_stream(spec.max_inflight)
                     if store is not None:
                         handle = store.open_stream(spec.session_id, spec.num_envs)

@@ -38,8 +38,13 @@ class StreamSpec:
     max_inflight: int
 
 
-def check_hello(hello: pb.StreamHello, obs_shape: tuple[int, ...], max_envs: int) -> StreamSpec:
-    """Validate the first message of a stream."""
+def check_hello(
+    hello: pb.StreamHello, obs_shape: tuple[int, ...], max_envs: int, env_name: str = ""
+) -> StreamSpec:
+    """Validate the first message of a stream against the server's observation shape, its limit
+    of envs per stream and the env its policy is for (``env_name``; empty: none named). A hello
+    that names another env is refused: two envs may share their shapes, and the stream's
+    transitions would be learnt as the served env's."""
     sid = hello.session_id
     if not 1 <= len(sid) <= MAX_SESSION_ID_LEN or not sid.isprintable():
         raise _invalid(f"hello.session_id: need 1-{MAX_SESSION_ID_LEN} printable characters, got {sid!r}")
@@ -47,6 +52,8 @@ def check_hello(hello: pb.StreamHello, obs_shape: tuple[int, ...], max_envs: int
         raise _invalid(f"hello.num_envs: must be in [1, {max_envs}], got {hello.num_envs}")
     if tuple(hello.obs_shape) != obs_shape:
         raise _invalid(f"hello.obs_shape: server serves {list(obs_shape)}, got {list(hello.obs_shape)}")
+    if hello.env_name and env_name and hello.env_name != env_name:
+        raise _invalid(f"hello.env_name: the server serves a policy for {env_name}, got {hello.env_name}")
     if hello.max_inflight > hello.num_envs:
         raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
     return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight))

@@ -85,9 +85,11 @@ class SilentLink:
 
 
 @contextlib.asynccontextmanager
-async def running_server(backend: PolicyBackend, **config: object) -> AsyncIterator[EdgeServer]:
-    """A real edge server on 127.0.0.1, port 0."""
-    server = EdgeServer(backend, ServerConfig(port=0, **config))  # type: ignore[arg-type,unused-ignore]
+async def running_server(
+    backend: PolicyBackend, *, env_name: str = "", **config: object
+) -> AsyncIterator[EdgeServer]:
+    """A real edge server on 127.0.0.1, port 0 (its policy for ``env_name``, where given)."""
+    server = EdgeServer(backend, ServerConfig(port=0, **config), env_name=env_name)  # type: ignore[arg-type,unused-ignore]
     await server.start()
     try:
         yield server

@@ -169,6 +169,12 @@ _CASES = [
     ),
     ("obs shape of another env", _settings(obs_shape=[17]), "INVALID_ARGUMENT", "hello.obs_shape"),
     ("no session id", _settings(session_id=""), "INVALID_ARGUMENT", "hello.session_id"),
+    (
+        "another env's stream",  # the server's policy is for Toy-v0 (the good stream names it)
+        _settings(env_name="Walker2d-v5"),
+        "INVALID_ARGUMENT",
+        "hello.env_name: the server serves a policy for Toy-v0, got Walker2d-v5",
+    ),
     ("settings twice", _settings() + _settings(), "FAILED_PRECONDITION", "settings: sent twice"),
     ("unknown frame kind", _settings() + frames.frame(b"Z"), "INVALID_ARGUMENT", "frame: unknown kind"),
     (
@@ -222,8 +228,10 @@ def test_bad_frames_get_their_status_and_other_streams_are_served(
 ) -> None:
     async def main() -> None:
         path = str(tmp_path / "act.sock")
-        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, max_message_bytes=4096) as server:
-            good = await _open(path)
+        async with running_server(
+            EchoPolicy(OBS, ACT), env_name="Toy-v0", local_socket=path, max_message_bytes=4096
+        ) as server:
+            good = await _open(path, _settings(env_name="Toy-v0"))
             await _ask(good, [0, 1])
             reader, writer = await asyncio.open_unix_connection(path)
             writer.write(bad)

@@ -163,8 +163,10 @@ def _reflect(address: str) -> list[str]:
         return services
 
 
-async def _healthy_stream(client: EdgeClient, name: str) -> ActStream:
-    return await client.open_stream(session_id=name, num_envs=4, obs_shape=(OBS,), max_inflight=1)
+async def _healthy_stream(client: EdgeClient, name: str, env_name: str = "") -> ActStream:
+    return await client.open_stream(
+        session_id=name, num_envs=4, obs_shape=(OBS,), env_name=env_name, max_inflight=1
+    )
 
 
 async def _round_trip(stream: ActStream) -> None:
@@ -221,6 +223,15 @@ BAD_CASES = {
         "INVALID_ARGUMENT",
         "hello.obs_shape",
     ),
+    "hello env": (  # the server's policy is for HalfCheetah-v5 (the healthy stream names it)
+        [
+            pb.ActRequest(
+                hello=pb.StreamHello(session_id="x", env_name="Walker2d-v5", num_envs=4, obs_shape=[OBS])
+            )
+        ],
+        "INVALID_ARGUMENT",
+        "hello.env_name: the server serves a policy for HalfCheetah-v5, got Walker2d-v5",
+    ),
     "oversized": (
         [HELLO, _step(0, [0, 1, 2, 3], np.zeros((4, 20_000), np.float32))],
         "RESOURCE_EXHAUSTED",
@@ -234,10 +245,12 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
     messages, code, text = BAD_CASES[case]
 
     async def main() -> None:
-        async with running_server(EchoPolicy(OBS, ACT), max_message_bytes=64 * 1024) as server:
+        async with running_server(
+            EchoPolicy(OBS, ACT), env_name="HalfCheetah-v5", max_message_bytes=64 * 1024
+        ) as server:
             address = f"127.0.0.1:{server.port}"
             async with EdgeClient(address) as client:
-                healthy = await _healthy_stream(client, "healthy")
+                healthy = await _healthy_stream(client, "healthy", env_name="HalfCheetah-v5")
                 await _round_trip(healthy)
                 async with grpc.aio.insecure_channel(address) as ch:
                     call = pb_grpc.EdgePolicyStub(ch).Act(timeout=10)
