@@ -330,7 +330,8 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Pat
     # the server refuses the worker (its envs are not the served ones): the refusal is the reason
     spec = env_spec("HalfCheetah-v5")
     backend = TorchPolicyBackend(build_policy("mlp", 17, 6, seed=1), spec.act_low, spec.act_high)
-    with ServerThread(backend, env_name="HalfCheetah-v5") as server:
+    cheetah_sock = str(tmp_path / "cheetah.sock")
+    with ServerThread(backend, env_name="HalfCheetah-v5", local_socket=cheetah_sock) as server:
         line = _failed("sim", "--server", server.address, "--env", "Hopper-v5", "--envs", "2")
         assert line.endswith("the server serves observations of shape (17,), Hopper-v5 has (11,)"), line
         # an env of the same shapes: the policy is another env's all the same
@@ -338,6 +339,12 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Pat
             line = _failed("sim", "--server", server.address, "--env", "Walker2d-v5", "--envs", "2", *network)
             reason = "the server serves a policy for HalfCheetah-v5, not for Walker2d-v5"
             assert line.endswith(f"{reason} (their observations share the shape (17,))"), line
+        # the local socket has no Describe: the server refuses the stream's settings
+        line = _failed("sim", "--local-socket", cheetah_sock, "--env", "Walker2d-v5", "--envs", "2")
+        reason = (
+            "INVALID_ARGUMENT: hello.env_name: the server serves a policy for HalfCheetah-v5, got Walker2d-v5"
+        )
+        assert line.endswith(reason), line
         assert server.server is not None and server.server.servicer.stats().requests == 0  # nothing served
     # a server that names no env, its actions of another shape: refused at Describe over gRPC, at
     # the first answer over the local socket (which has no Describe)
