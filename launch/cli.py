@@ -478,6 +478,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     p = sub.add_parser(
+        "describe",
+        formatter_class=_FMT,
+        help="what an edge server serves: spaces, env, policy version, limits (JSON)",
+        description="Ask an edge server's Describe (and with --stats its Stats) and print them as "
+        "JSON: what a robot or sim worker is checked against before its stream opens. Exit status "
+        "1 when the server cannot be asked within --timeout-s.",
+    )
+    p.add_argument("--server", default="127.0.0.1:50051", help="edge server address host:port")
+    p.add_argument("--stats", action="store_true", help="also the server's counters (Stats)")
+    p.add_argument(
+        "--timeout-s", type=POSITIVE, default=5.0, help="how long to wait for the server to answer (s)"
+    )
+    p.add_argument("--json", metavar="PATH", help="also write the result as JSON to this file")
+    add_client_security(p)
+    _add_common(p)
+
+    p = sub.add_parser(
         "bag",
         formatter_class=_FMT,
         help="ROS 2 bags of robot sessions: summarise, import as transitions",
@@ -758,6 +775,21 @@ def _robot(a: argparse.Namespace) -> int:
     return code
 
 
+def _describe(a: argparse.Namespace) -> int:
+    from edgerl.robot_client import errors
+    from edgerl.robot_client.client import describe_server
+
+    try:
+        result = describe_server(a.server, client_security(a), a.timeout_s, stats=a.stats)
+    except errors.EdgeRLError as exc:
+        print(f"edgerl: error: could not ask {a.server} within {a.timeout_s:g}s ({exc})", file=sys.stderr)
+        return 1
+    print(jsonout.dumps(result, indent=2))
+    if a.json:
+        jsonout.write_json(result, a.json)
+    return 0
+
+
 def _bag(a: argparse.Namespace) -> int:
     from edgerl.robot_client import bags
 
@@ -824,6 +856,7 @@ _COMMANDS = {
     "rollout": _rollout,
     "train": _train,
     "robot": _robot,
+    "describe": _describe,
     "certs": _certs,
     "bag": _bag,
 }

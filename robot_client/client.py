@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any
 
@@ -433,3 +433,28 @@ class EdgeClient:
         except asyncio.InvalidStateError:
             raise await stream._final_error() from None
         return stream
+
+
+def describe_server(
+    server: str, security: ClientSecurity | None = None, timeout_s: float = 5.0, *, stats: bool = False
+) -> dict[str, Any]:
+    """What the server at ``server`` reports of itself: its ``Describe`` (the spaces as shapes and
+    limits, its env, policy version and limits) and, with ``stats``, its ``Stats`` counters; for
+    printing as JSON.
+
+    Raises:
+        ServerUnavailableError: the server did not serve within ``timeout_s``.
+        RpcError: any other failure (named by its gRPC code), e.g. a token it refuses.
+    """
+
+    async def ask() -> dict[str, Any]:
+        async with EdgeClient(server, timeout_s=timeout_s, security=security) as client:
+            await client.wait_ready(timeout_s)
+            info = await client.describe()
+            out: dict[str, Any] = {"server": server, "describe": asdict(info)}
+            if stats:
+                counters = await client.stats()
+                out["stats"] = {f.name: getattr(counters, f.name) for f in counters.DESCRIPTOR.fields}
+            return out
+
+    return asyncio.run(ask())

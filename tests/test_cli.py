@@ -49,6 +49,7 @@ def _edgerl(args: str, json_path: Path, tmpdir: Path | None = None) -> subproces
         ["rollout"],
         ["train"],
         ["robot"],
+        ["describe"],
         ["bench", "throughput"],
         ["bench", "learn"],
         ["bench", "robot"],
@@ -69,7 +70,7 @@ def test_help_explains_every_option_with_its_default(command: list[str]) -> None
 
 def test_top_level_help_lists_the_subcommands() -> None:
     out = subprocess.run([*EDGERL, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "sim", "rollout", "train", "bench"):
+    for command in ("serve", "sim", "rollout", "train", "robot", "describe", "bench"):
         assert f"    {command} " in out
 
 
@@ -356,6 +357,34 @@ def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Pat
         assert server.server is not None and server.server.servicer.stats().requests == 0
         line = _failed("sim", "--local-socket", sock, "--env", "HalfCheetah-v5", "--envs", "2")
         assert line.endswith("the server answers actions of shape (3,), HalfCheetah-v5 takes (6,)"), line
+
+
+def test_describe_prints_what_the_server_serves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgerl.edge_server.server import ServerConfig
+    from edgerl.launch.cli import main
+
+    spec = env_spec("Hopper-v5")
+    backend = TorchPolicyBackend(build_policy("mlp", 11, 3, seed=1), spec.act_low, spec.act_high)
+    with ServerThread(backend, env_name="Hopper-v5", max_batch_size=64) as server:
+        asyncio.run(act_once(server.address, np.zeros((2, 11), np.float32)))
+        out = tmp_path / "describe.json"
+        assert main(["describe", "--server", server.address, "--stats", "--json", str(out)]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert main(["describe", "--server", server.address]) == 0  # no --stats: no counters
+        assert "stats" not in json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    d = printed["describe"]
+    assert (d["obs_shape"], d["act_shape"], d["env_name"], d["action_chunk"]) == ([11], [3], "Hopper-v5", 1)
+    assert d["act_low"] == [-1.0] * 3 and d["act_high"] == [1.0] * 3 and d["backend"] == "torch-mlp"
+    assert d["max_batch_size"] == 64 and d["max_envs_per_stream"] == ServerConfig().max_envs_per_stream
+    assert (printed["stats"]["requests"], printed["stats"]["rows"]) == (1, 2)  # the one step above
+    # no server: one line and status 1, soon after the timeout
+    t0 = time.monotonic()
+    assert main(["describe", "--server", "127.0.0.1:1", "--timeout-s", "0.5"]) == 1
+    assert time.monotonic() - t0 < 5.0
+    assert capsys.readouterr().err.startswith(
+        "edgerl: error: could not ask 127.0.0.1:1 within 0.5s (UNAVAILABLE"
+    )
 
 
 def _in_group(pgid: int) -> list[int]:
