@@ -438,9 +438,10 @@ class EdgeClient:
 def describe_server(
     server: str, security: ClientSecurity | None = None, timeout_s: float = 5.0, *, stats: bool = False
 ) -> dict[str, Any]:
-    """What the server at ``server`` reports of itself: its ``Describe`` (the spaces as shapes and
-    limits, its env, policy version and limits) and, with ``stats``, its ``Stats`` counters; for
-    printing as JSON.
+    """What the server at ``server`` reports of itself, for ``edgerl describe``: its ``Describe``
+    (:class:`ServerInfo`: observation shape, action shape and limits, env, policy version, batching
+    limits, action chunk) and, with ``stats``, its ``Stats`` counters. The action limits are numpy
+    arrays (:func:`edgerl.launch.jsonout.dumps` writes them as lists).
 
     Raises:
         ServerUnavailableError: the server did not serve within ``timeout_s``.
