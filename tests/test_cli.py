@@ -382,8 +382,10 @@ def test_describe_prints_what_the_server_serves(tmp_path: Path, capsys: pytest.C
     t0 = time.monotonic()
     assert main(["describe", "--server", "127.0.0.1:1", "--timeout-s", "0.5"]) == 1
     assert time.monotonic() - t0 < 5.0
-    assert capsys.readouterr().err.startswith(
-        "edgerl: error: could not ask 127.0.0.1:1 within 0.5s (UNAVAILABLE"
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "edgerl: error: could not ask 127.0.0.1:1 (UNAVAILABLE: no server at 127.0.0.1:1 within 0.5s)\n"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -122,6 +123,18 @@ def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
         assert srv.server is not None and srv.server.auth is not None
         assert srv.server.auth.rejected_unauthenticated == 4
         assert srv.server.auth.rejected_permission == 2
+
+
+def test_edgerl_describe_sends_its_token(pki: DevPki, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgerl.launch.cli import main
+
+    with ServerThread(EchoPolicy(3, 2), tokens=str(pki.tokens)) as srv:
+        assert main(["describe", "--server", srv.address, "--token", "not-a-valid-token-at-all"]) == 1
+        assert capsys.readouterr().err.startswith(
+            f"edgerl: error: could not ask {srv.address} (UNAUTHENTICATED"
+        )
+        assert main(["describe", "--server", srv.address, "--token", pki.robot_token]) == 0
+        assert json.loads(capsys.readouterr().out)["describe"]["obs_shape"] == [3]
 
 
 def test_robots_run_over_mutual_tls_with_a_token(pki: DevPki) -> None:
