@@ -49,6 +49,20 @@ class _Abort:
 _END = None
 
 
+def _bound(values: np.ndarray | None, shape: tuple[int, ...], fill: float, name: str) -> np.ndarray:
+    """The observation bound ``values`` as float32 of ``shape`` (``fill`` everywhere when None).
+
+    Raises:
+        ValueError: ``values`` does not hold one value per element of ``shape``.
+    """
+    if values is None:
+        return np.full(shape, fill, np.float32)
+    arr = np.asarray(values, np.float32)
+    if arr.size != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"{name} holds {arr.size} values, the policy's observations {shape}")
+    return arr.reshape(shape)
+
+
 def _box(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> pb.BoxSpace:
     return pb.BoxSpace(shape=shape, dtype=_FLOAT32, low=low.ravel().tolist(), high=high.ravel().tolist())
 
@@ -115,8 +129,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self.obs_shape = backend.obs_shape
         self.rejected_invalid = 0
         self.active_streams = 0
-        self._obs_low = obs_low if obs_low is not None else np.full(self.obs_shape, -np.inf, np.float32)
-        self._obs_high = obs_high if obs_high is not None else np.full(self.obs_shape, np.inf, np.float32)
+        self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
+        self._obs_high = _bound(obs_high, self.obs_shape, np.inf, "obs_high")
 
     # -- Act (bidirectional stream) ------------------------------------------------------------
     async def Act(  # noqa: N802 - gRPC method name

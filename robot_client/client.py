@@ -39,6 +39,10 @@ class ServerInfo:
 
     obs_shape: tuple[int, ...]
     act_shape: tuple[int, ...]
+    obs_low: np.ndarray
+    """float32 ``obs_shape``, the observation space's lower bounds (``-inf`` where unbounded)."""
+    obs_high: np.ndarray
+    """float32 ``obs_shape``, its upper bounds (``+inf`` where unbounded)."""
     act_low: np.ndarray
     act_high: np.ndarray
     policy_version: int
@@ -67,6 +71,25 @@ class Actions:
     queue_wait_us: int
     inference_us: int
     batch_rows: int
+
+
+def _box_of(space: pb.BoxSpace, field: str) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """Shape and bounds of a ``BoxSpace``; bounds left empty (a server that does not state them)
+    are unbounded.
+
+    Raises:
+        ProtocolError: a bound does not hold one value per element of the shape.
+    """
+    shape = tuple(int(d) for d in space.shape)
+    bounds = []
+    for name, values, fill in (("low", space.low, -np.inf), ("high", space.high, np.inf)):
+        arr = np.asarray(values, np.float32)
+        if arr.size == 0:
+            arr = np.full(shape, fill, np.float32)
+        elif arr.size != int(np.prod(shape, dtype=np.int64)):
+            raise errors.ProtocolError(f"Describe: {field}.{name} holds {arr.size} values for shape {shape}")
+        bounds.append(arr.reshape(shape))
+    return shape, bounds[0], bounds[1]
 
 
 def _decode_actions(resp: pb.ActResponse) -> Actions:
@@ -338,13 +361,16 @@ class EdgeClient:
     async def describe(self, timeout_s: float | None = None) -> ServerInfo:
         """Spaces, policy version and limits of the server."""
         r = await self._unary(self._stub.Describe, pb.DescribeRequest(), timeout_s)
-        act_shape = tuple(r.action_space.shape)
+        obs_shape, obs_low, obs_high = _box_of(r.observation_space, "observation_space")
+        act_shape, act_low, act_high = _box_of(r.action_space, "action_space")
         lim = r.limits
         return ServerInfo(
-            obs_shape=tuple(r.observation_space.shape),
+            obs_shape=obs_shape,
             act_shape=act_shape,
-            act_low=np.asarray(r.action_space.low, np.float32).reshape(act_shape),
-            act_high=np.asarray(r.action_space.high, np.float32).reshape(act_shape),
+            obs_low=obs_low,
+            obs_high=obs_high,
+            act_low=act_low,
+            act_high=act_high,
             policy_version=r.policy_version,
             backend=r.backend,
             env_name=r.env_name,
@@ -439,9 +465,9 @@ def describe_server(
     server: str, security: ClientSecurity | None = None, timeout_s: float = 5.0, *, stats: bool = False
 ) -> dict[str, Any]:
     """What the server at ``server`` reports of itself, for ``edgerl describe``: its ``Describe``
-    (:class:`ServerInfo`: observation shape, action shape and limits, env, policy version, batching
-    limits, action chunk) and, with ``stats``, its ``Stats`` counters. The action limits are numpy
-    arrays (:func:`edgerl.launch.jsonout.dumps` writes them as lists).
+    (:class:`ServerInfo`: observation and action shapes and bounds, env, policy version, batching
+    limits, action chunk) and, with ``stats``, its ``Stats`` counters. The bounds are numpy arrays
+    (:func:`edgerl.launch.jsonout.dumps` writes them as lists, an infinite bound as ``null``).
 
     Raises:
         ServerUnavailableError: the server did not serve within ``timeout_s``.

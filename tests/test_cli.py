@@ -376,6 +376,7 @@ def test_describe_prints_what_the_server_serves(tmp_path: Path, capsys: pytest.C
     d = printed["describe"]
     assert (d["obs_shape"], d["act_shape"], d["env_name"], d["action_chunk"]) == ([11], [3], "Hopper-v5", 1)
     assert d["act_low"] == [-1.0] * 3 and d["act_high"] == [1.0] * 3 and d["backend"] == "torch-mlp"
+    assert d["obs_low"] == d["obs_high"] == [None] * 11  # unbounded: JSON has no infinity
     assert d["max_batch_size"] == 64 and d["max_envs_per_stream"] == ServerConfig().max_envs_per_stream
     assert (printed["stats"]["requests"], printed["stats"]["rows"]) == (1, 2)  # the one step above
     # no server: one line and status 1, soon after the timeout

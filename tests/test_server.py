@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
-from edgerl.robot_client.client import ActStream, EdgeClient
+from edgerl.robot_client.client import ActStream, EdgeClient, ServerInfo
 from edgerl.sim.envs import env_spec, make_vector_env
 from tests.helpers import EchoPolicy, SilentLink, act_once, run, running_server
 
@@ -121,11 +122,12 @@ def test_describe_health_and_reflection() -> None:
     async def main() -> None:
         spec = env_spec(ENV)
         backend = _torch_backend()
+        obs_low = np.where(np.arange(OBS) < 3, -5.0, spec.obs_low).astype(np.float32)  # some finite
         server = EdgeServer(
             backend,
             ServerConfig(port=0, max_batch_size=128),
             env_name=ENV,
-            obs_low=spec.obs_low,
+            obs_low=obs_low,
             obs_high=spec.obs_high,
         )
         await server.start()
@@ -133,6 +135,9 @@ def test_describe_health_and_reflection() -> None:
             async with EdgeClient(f"127.0.0.1:{server.port}") as client:
                 info = await client.describe()
             assert info.obs_shape == (OBS,) and info.act_shape == (ACT,)
+            np.testing.assert_array_equal(info.obs_low, obs_low)
+            assert info.obs_low[0] == -5.0 and info.obs_low[-1] == -np.inf
+            np.testing.assert_array_equal(info.obs_high, np.inf)
             np.testing.assert_array_equal(info.act_low, -1.0)
             assert info.max_batch_size == 128 and info.env_name == ENV and info.backend == "torch-mlp"
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
@@ -152,6 +157,51 @@ def test_describe_health_and_reflection() -> None:
     services = run(live())
     assert isinstance(services, list)
     assert SERVICE_NAME in services and "grpc.health.v1.Health" in services
+
+
+def test_observation_bounds_of_the_wrong_size_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"obs_high holds 3 values, the policy's observations \(17,\)"):
+        EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=0), obs_high=np.ones(3, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "expected"),
+    [
+        ([], [], (np.full((2, 2), -np.inf), np.full((2, 2), np.inf))),  # a server that states none
+        ([0, 1, 2, 3], [4, 5, 6, 7], (np.arange(4.0).reshape(2, 2), np.arange(4.0, 8.0).reshape(2, 2))),
+        ([0, 1, 2], [], "observation_space.low holds 3 values for shape (2, 2)"),
+        ([], [0, 1, 2, 3, 4], "observation_space.high holds 5 values for shape (2, 2)"),
+    ],
+)
+def test_the_client_reads_the_bounds_a_server_states(
+    low: list[float], high: list[float], expected: Any
+) -> None:
+    class Stated(pb_grpc.EdgePolicyServicer):
+        async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.DescribeResponse:  # noqa: N802
+            space = pb.BoxSpace(shape=[2, 2], low=low, high=high)
+            return pb.DescribeResponse(observation_space=space, action_space=pb.BoxSpace(shape=[1]))
+
+    async def main() -> ServerInfo:
+        server = grpc.aio.server()
+        pb_grpc.add_EdgePolicyServicer_to_server(Stated(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with EdgeClient(f"127.0.0.1:{port}") as client:
+                return await client.describe()
+        finally:
+            await server.stop(None)
+
+    if isinstance(expected, str):
+        with pytest.raises(errors.ProtocolError, match=re.escape(expected)):
+            run(main())
+        return
+    info = run(main())
+    assert isinstance(info, ServerInfo)
+    assert info.obs_shape == (2, 2) and info.act_shape == (1,)
+    np.testing.assert_array_equal(info.obs_low, expected[0])
+    np.testing.assert_array_equal(info.obs_high, expected[1])
+    assert info.obs_low.dtype == np.float32 and info.act_low.shape == (1,) and info.act_low[0] == -np.inf
 
 
 def _reflect(address: str) -> list[str]:
