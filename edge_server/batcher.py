@@ -5,12 +5,18 @@ bounded FIFO queue. A batch is dispatched when
 
 1. it is full (``max_batch_size`` rows), or
 2. every open stream already has a request waiting (nobody else is about to
-   send: waiting longer only adds latency), or
+   send: waiting longer only adds latency), backfill streams not counted, or
 3. the oldest waiting request has waited ``max_delay_us`` (Triton / Ray Serve
    semantics: the delay counts from the oldest request, not from the batch).
 
 Rule 2 matters: a batcher that always waits for the delay adds it to every
-round trip when few streams are connected. The forward pass runs on a
+round trip when few streams are connected. A backfill stream (one that only
+fills the server's idle time, e.g. a sim worker at idle CPU priority on the
+server's cores) sends when it gets a CPU, late and unevenly: counted in rule
+2, every request of the others waited the whole delay for one of its (64
+HalfCheetah envs, `mlp`: 13.2-13.9k env steps/s with a backfill worker of 16
+envs against 18.5-19.6k without it). Its own requests still wait for the
+others', and join their batches. The forward pass runs on a
 dedicated thread, never on the event loop; while it runs the next batch
 forms. A backend with ``pipeline_depth = k > 1`` (one that batches
 continuously inside, like a vLLM engine) gets up to ``k`` batches at once,
@@ -87,7 +93,8 @@ class StreamSlots:
     admitting: int = 0
     """Requests read but held back before the batcher (admission control); they count as in flight."""
     queued: int = 0
-    open: bool = True
+    counted: bool = True
+    """Among the streams rule 2 waits for: open, and no backfill stream."""
 
 
 @dataclass(slots=True)
@@ -206,15 +213,17 @@ class DynamicBatcher:
         return self._closing
 
     # -- streams -----------------------------------------------------------------------------
-    def open_stream(self, max_inflight: int) -> StreamSlots:
-        """Register a stream that keeps up to ``max_inflight`` requests outstanding."""
-        self._open_streams += 1
-        return StreamSlots(max(1, max_inflight))
+    def open_stream(self, max_inflight: int, *, backfill: bool = False) -> StreamSlots:
+        """Register a stream that keeps up to ``max_inflight`` requests outstanding; a
+        ``backfill`` stream is never waited for (dispatch rule 2)."""
+        if not backfill:
+            self._open_streams += 1
+        return StreamSlots(max(1, max_inflight), counted=not backfill)
 
     def close_stream(self, slots: StreamSlots) -> None:
         """Forget a stream; its outstanding requests still complete."""
-        if slots.open:
-            slots.open = False
+        if slots.counted:
+            slots.counted = False
             self._open_streams -= 1
             if slots.queued:
                 self._streams_waiting -= 1
@@ -223,6 +232,11 @@ class DynamicBatcher:
     @property
     def queued_rows(self) -> int:
         return self._queued_rows
+
+    @property
+    def waited_streams(self) -> int:
+        """Open streams that dispatch rule 2 waits for (backfill streams not counted)."""
+        return self._open_streams
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, obs: np.ndarray, slots: StreamSlots | None = None) -> asyncio.Future[BatchResult]:
@@ -248,7 +262,7 @@ class DynamicBatcher:
         if slots is not None:
             slots.outstanding += 1
             slots.queued += 1
-            if slots.queued == 1 and slots.open:
+            if slots.queued == 1 and slots.counted:
                 self._streams_waiting += 1
         self._queue.append(_Request(obs, slots, future, time.monotonic_ns()))
         self._queued_rows += rows
@@ -321,7 +335,7 @@ class DynamicBatcher:
             slots = req.slots
             if slots is not None:
                 slots.queued -= 1
-                if slots.queued == 0 and slots.open:
+                if slots.queued == 0 and slots.counted:
                     self._streams_waiting -= 1
         return batch
 

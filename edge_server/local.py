@@ -221,6 +221,7 @@ class _LocalStream(asyncio.Protocol):
                 obs_shape=[int(d) for d in settings["obs_shape"]],
                 env_name=str(settings.get("env_name", "")),
                 max_inflight=int(settings["num_envs"]),  # as a network process declares
+                backfill=bool(settings.get("backfill", False)),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidRequestError(
@@ -234,7 +235,8 @@ class _LocalStream(asyncio.Protocol):
         store = servicer.store
         if store is not None:
             self._handle = store.open_stream(spec.session_id, spec.num_envs)
-        self._spec, self._slots = spec, servicer.batcher.open_stream(spec.max_inflight)
+        self._spec = spec
+        self._slots = servicer.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
         servicer.active_streams += 1
         self._write(frames.encode_state(frames.UP, 0))
         log.info("local stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)

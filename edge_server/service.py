@@ -194,7 +194,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     spec = check_hello(
                         req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
                     )
-                    slots = self.batcher.open_stream(spec.max_inflight)
+                    slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
                         handle = store.open_stream(spec.session_id, spec.num_envs)
                         handles.append(handle)

@@ -36,6 +36,7 @@ class StreamSpec:
     env_name: str
     num_envs: int
     max_inflight: int
+    backfill: bool = False
 
 
 def check_hello(
@@ -56,7 +57,7 @@ def check_hello(
         raise _invalid(f"hello.env_name: the server serves a policy for {env_name}, got {hello.env_name}")
     if hello.max_inflight > hello.num_envs:
         raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
-    return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight))
+    return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight), hello.backfill)
 
 
 def check_obs(

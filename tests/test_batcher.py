@@ -75,6 +75,31 @@ def test_respects_max_delay_us_from_the_oldest_request() -> None:
     run(main())
 
 
+def test_a_backfill_stream_is_not_waited_for_but_joins_the_next_batch() -> None:
+    async def main() -> None:
+        policy = EchoPolicy(4, 2)
+        b = DynamicBatcher(policy, max_batch_size=64, max_delay_us=10_000_000, max_queue_rows=256)
+        b.start()
+        s1, back = b.open_stream(1), b.open_stream(2, backfill=True)
+        r1 = await asyncio.wait_for(b.submit(_obs(2, 1.0), s1), 5.0)  # far below the 10 s delay
+        assert r1.batch_rows == 2
+        # the backfill stream's own request waits for the other stream's...
+        f2 = b.submit(_obs(3, 2.0), back)
+        await asyncio.sleep(0.05)
+        assert not f2.done()
+        r3, r2 = await asyncio.wait_for(asyncio.gather(b.submit(_obs(1, 3.0), s1), f2), 5.0)
+        assert r2.batch_rows == r3.batch_rows == 4  # ...and goes with it
+        np.testing.assert_array_equal(r2.actions, 2.0)
+        b.close_stream(s1)  # only the backfill stream left: nobody to wait for
+        r4 = await asyncio.wait_for(b.submit(_obs(5, 4.0), back), 5.0)
+        assert r4.batch_rows == 5
+        assert policy.batch_sizes == [2, 4, 5]
+        b.close_stream(back)
+        await b.close()
+
+    run(main())
+
+
 def test_full_batch_dispatches_at_once() -> None:
     async def main() -> None:
         policy = EchoPolicy(4, 2)

@@ -21,6 +21,7 @@ from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check
 from edgerl.models import build_policy
 from edgerl.proto import frames
 from edgerl.robot_client import errors
+from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.keeper import StreamSettings
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
@@ -153,6 +154,40 @@ def test_local_and_grpc_streams_share_the_batcher(tmp_path: Path) -> None:
             await _ask(stream, [0, 1, 2])
             await grpc_answer
             assert 5 in backend.batch_sizes  # one forward pass took both transports' rows
+
+    run(main())
+
+
+def test_an_idle_backfill_stream_is_not_waited_for_over_either_transport(tmp_path: Path) -> None:
+    """A batch waits up to max_delay_us (here 5 s) while an open stream may still send, unless
+    that stream is a backfill stream (settings ``backfill``, ``StreamHello.backfill``)."""
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, max_delay_us=5_000_000) as server:
+            address = f"127.0.0.1:{server.port}"
+            # an idle backfill stream on the local socket: a gRPC stream's step goes at once
+            backfill = await _open(path, _settings(backfill=True))
+            answer = await asyncio.wait_for(act_once(address, _rows([0, 1]).obs), 2.0)
+            assert answer.queue_wait_us < 1_000_000
+            # an idle backfill stream over gRPC: a local stream's step goes at once
+            async with EdgeClient(address) as client:
+                idle = await client.open_stream(session_id="idle", num_envs=2, obs_shape=[OBS], backfill=True)
+                local = await _open(path)
+                await asyncio.wait_for(_ask(local, [0, 1, 2]), 2.0)  # far below the 5 s delay
+                # an idle stream that is no backfill stream is waited for
+                assert server.batcher.waited_streams == 1  # the local stream only
+                plain = await client.open_stream(session_id="plain", num_envs=2, obs_shape=[OBS])
+                while server.batcher.waited_streams < 2:  # its hello is read
+                    await asyncio.sleep(0.005)
+                waiting = asyncio.ensure_future(_ask(local, [3]))
+                await asyncio.sleep(0.3)
+                assert not waiting.done()
+                await plain.close()  # one stream fewer to wait for: the step goes
+                await asyncio.wait_for(waiting, 2.0)
+                await idle.close()
+            for reader_writer in (backfill, local):
+                reader_writer[1].close()
 
     run(main())
 

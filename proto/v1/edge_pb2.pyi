@@ -49,18 +49,20 @@ class BoxSpace(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamHello(_message.Message):
-    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight")
+    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight", "backfill")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     OBS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BACKFILL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     env_name: str
     num_envs: int
     obs_shape: _containers.RepeatedScalarFieldContainer[int]
     max_inflight: int
-    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ...) -> None: ...
+    backfill: bool
+    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ...) -> None: ...
 
 class StepObservation(_message.Message):
     __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback")
