@@ -91,6 +91,9 @@ class ThroughputConfig:
     replicas: int = 0
     """Policy replicas in the async_stream server, each in a process of its own; 0: chosen by
     :func:`choose_placement`. The in-process loop always has one."""
+    backfill_envs: int | None = None
+    """Of the envs of async_stream, those stepped by a backfill worker (idle CPU priority, on the
+    server's CPUs); None: chosen by :func:`choose_placement`."""
 
     def __post_init__(self) -> None:
         if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
@@ -104,7 +107,11 @@ class ThroughputConfig:
             object.__setattr__(self, "groups", by_policy)
         if self.groups:  # else checked once the replicas, and with them the groups, are chosen
             check_fleet(
-                self.envs, self.workers, self.groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
+                self.envs,
+                self.workers,
+                self.groups,
+                max_envs_per_stream=ServerConfig.max_envs_per_stream,
+                backfill_envs=self.backfill_envs or 0,
             )
         if self.worker_cpus is not None:
             kept_cpus(self.worker_cpus, self.workers, "worker_cpus")  # fails naming the field
@@ -117,15 +124,26 @@ class ThroughputConfig:
 
     def placed(self, env_s: float, inference_s: float, cpus: int) -> ThroughputConfig:
         """This config with the placement :func:`choose_placement` gives for these costs and
-        ``cpus`` CPUs for inference, where ``worker_cpus``, ``network_process`` or ``replicas``
-        is left open (and ``groups``, which follows ``replicas`` for the llm policy)."""
+        ``cpus`` CPUs for inference, where ``worker_cpus``, ``network_process``, ``replicas`` or
+        ``backfill_envs`` is left open (and ``groups``, which follows ``replicas`` for the llm
+        policy). Backfill envs are chosen only where the workers get CPUs of their own and the
+        envs leave each worker ``groups`` of them."""
         worker_cpus, network_process, replicas = choose_placement(env_s, inference_s, cpus)
-        return replace(
+        placed = replace(
             self,
             worker_cpus=worker_cpus if self.worker_cpus is None else self.worker_cpus,
             network_process=network_process if self.network_process is None else self.network_process,
             replicas=self.replicas or replicas,
         )
+        if self.backfill_envs is not None:
+            return placed
+        backfill = 0
+        if network_process and placed.placement()[1]:  # the workers' cores are the bottleneck
+            backfill = int(self.envs * BACKFILL_SHARE)
+            groups = placed.groups or 2
+            if self.envs - backfill < self.workers * groups:
+                backfill = 0
+        return replace(placed, backfill_envs=backfill)
 
 
 NETWORK_PROCESS_BELOW = 0.25
@@ -136,6 +154,12 @@ REPLICAS_ABOVE = 3.0
 :data:`edgerl.models.mlp.POLICY_PRESETS`) and in some noisy first runs came out above it: those
 chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x with
 ``--replicas 2 --worker-cpus off`` given); well below the ``llm`` policy's ~12x."""
+BACKFILL_SHARE = 0.375
+"""Share of the envs :meth:`ThroughputConfig.placed` gives a backfill worker where it chooses the
+network process (the workers' cores are the bottleneck). With 64 HalfCheetah envs and ``mlp``
+(the slower machine, 6 s runs in ABBA order), a backfill worker of 16 envs ran at 1.09x (median
+1.10x of 6) the env steps/s of one worker of all 64, one of 24 at 1.05-1.14x that of 16 (3), one
+of 32 at 0.87-0.95x that of 24 (3): the backfill worker's messages cost the server's core too."""
 MAX_CHOSEN_REPLICAS = 4
 """Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
 
@@ -267,6 +291,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
         ),
         cfg.workers,
         worker_cpus=worker_cpus,
+        backfill_envs=cfg.backfill_envs or 0,
     )
     with fleet:
         fleet.wait_started()
@@ -323,6 +348,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     stream = "in a network process" if cfg.network_process else "in the worker"
     progress(
         f"  placement: sim worker CPUs {cfg.worker_cpus}, stream {stream}, "
+        f"{cfg.backfill_envs} backfill env(s), "
         f"{cfg.replicas} policy replica(s), {cfg.groups} env group(s) per worker"
     )
     policy = PolicySpec.from_options(cfg, replicas=cfg.replicas)

@@ -213,6 +213,21 @@ def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> N
             else ""
         ),
     )
+    p.add_argument(
+        "--backfill-envs",
+        type=NON_NEGATIVE_INT,
+        default=None if chosen else 0,
+        metavar="N",
+        help="of the envs, N for one more sim worker at idle priority on the CPUs the workers leave: it "
+        "steps them in CPU time nothing else wants, and the server never waits for it (worth it "
+        "where the workers' cores are the bottleneck)"
+        + (
+            f"; unset: 3/8 of --envs where inference costs under {NETWORK_PROCESS_BELOW:g}x "
+            "env stepping and the workers have CPUs of their own, else 0"
+            if chosen
+            else ""
+        ),
+    )
 
 
 def _add_replicas(p: argparse.ArgumentParser, chosen: bool = False) -> None:
@@ -371,8 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="env steps/s: in-process vs unary RPC vs streaming edge server",
         description="Env steps/s of sync_inprocess, sync_unary, async_stream (gRPC) and async_local "
         "(the local Act socket) side by side in one run (same env, policy and env count). The "
-        "placement options left unset (--network-process, --worker-cpus, --replicas) are chosen "
-        "from how the first in-process run's time splits between env stepping and inference.",
+        "placement options left unset (--network-process, --worker-cpus, --replicas, --backfill-envs) "
+        "are chosen from how the first in-process run's time splits between env stepping and "
+        "inference.",
     )
     _add_env(p, envs=64)
     _add_policy(p)
@@ -704,7 +720,7 @@ def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -
 
 def _groups(a: argparse.Namespace) -> int:
     """Env groups per sim worker for ``--groups`` (0: chosen by envs per worker)."""
-    return fleet_groups(a.groups, a.envs, a.workers)
+    return fleet_groups(a.groups, a.envs - a.backfill_envs, a.workers)
 
 
 def _worker_cpus(a: argparse.Namespace) -> list[int]:
@@ -717,6 +733,7 @@ def _fleet(a: argparse.Namespace, server: str, local_socket: str = "") -> Worker
         a.workers,
         log_level=a.log_level,
         worker_cpus=_worker_cpus(a),
+        backfill_envs=a.backfill_envs,
     )
 
 
@@ -738,7 +755,13 @@ def _rollout(a: argparse.Namespace) -> int:
     from edgerl.launch.rollout import watch
 
     # before the server starts
-    check_fleet(a.envs, a.workers, _groups(a), max_envs_per_stream=ServerConfig.max_envs_per_stream)
+    check_fleet(
+        a.envs,
+        a.workers,
+        _groups(a),
+        max_envs_per_stream=ServerConfig.max_envs_per_stream,
+        backfill_envs=a.backfill_envs,
+    )
     policy, weights = _served_policy(a)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None

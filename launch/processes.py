@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -483,6 +484,16 @@ def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
     return asyncio.run(main())
 
 
+def idle_priority() -> None:
+    """Put every thread of this process, and those started from now on, under the SCHED_IDLE
+    policy: they run only on CPU time no other thread wants. Nothing happens where the policy
+    is missing (not Linux) or a thread has ended."""
+    with contextlib.suppress(OSError, AttributeError):
+        for name in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(int(name), os.SCHED_IDLE, os.sched_param(0))
+
+
 def yield_helper_threads(keep: int, done: set[int]) -> None:
     """Give every thread of this process but ``keep`` (a native thread id) the SCHED_BATCH policy.
 
@@ -534,6 +545,8 @@ def _run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared event
     if config.cpus:  # before gRPC starts threads, which inherit it
         os.sched_setaffinity(0, config.cpus)
+    if config.backfill:  # as the CPU affinity: every thread started later inherits it
+        idle_priority()
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
     built.set()  # its envs are built: what it waits for now is its server
@@ -555,7 +568,8 @@ def _run_worker(
         async def reporter() -> None:
             while True:
                 report()
-                yield_helper_threads(stepping, helpers)  # gRPC may start threads at any time
+                if not config.backfill:  # its threads are all at idle priority already
+                    yield_helper_threads(stepping, helpers)  # gRPC may start threads at any time
                 await asyncio.sleep(0.2)
 
         task = asyncio.get_running_loop().create_task(reporter())
@@ -582,26 +596,40 @@ def fleet_groups(groups: int, num_envs: int, num_workers: int) -> int:
     return 2 if num_envs >= 2 * num_workers else 1
 
 
-def check_fleet(num_envs: int, num_workers: int, groups: int, *, max_envs_per_stream: int = 0) -> None:
+def check_fleet(
+    num_envs: int, num_workers: int, groups: int, *, max_envs_per_stream: int = 0, backfill_envs: int = 0
+) -> None:
     """Raise ValueError, naming the options, unless ``num_workers`` sim workers can share
-    ``num_envs`` envs with ``groups`` env groups each, and (``max_envs_per_stream`` > 0: the
-    limit of the server a command starts itself) each worker's stream stays within the server's
-    limit. Commands call it before they start anything; :class:`WorkerFleet` checks again."""
+    ``num_envs`` envs, less ``backfill_envs`` for a backfill worker, with ``groups`` env groups
+    each, and (``max_envs_per_stream`` > 0: the limit of the server a command starts itself)
+    each worker's stream stays within the server's limit. Commands call it before they start
+    anything; :class:`WorkerFleet` checks again."""
     if num_workers < 1:
         raise ValueError(f"workers must be >= 1, got {num_workers}")
-    if num_envs < num_workers * groups:
-        raise ValueError(f"envs ({num_envs}) must be >= workers x groups ({num_workers} x {groups})")
-    per_stream = -(-num_envs // num_workers)
-    if 0 < max_envs_per_stream < per_stream:
+    if not 0 <= backfill_envs < num_envs:
+        raise ValueError(f"backfill envs must be in [0, envs={num_envs}), got {backfill_envs}")
+    envs = num_envs - backfill_envs
+    if envs < num_workers * groups:
+        less = f" less backfill envs ({num_envs} - {backfill_envs})" if backfill_envs else ""
+        raise ValueError(f"envs{less} ({envs}) must be >= workers x groups ({num_workers} x {groups})")
+    per_stream = -(-envs // num_workers)
+    if 0 < max_envs_per_stream < max(per_stream, backfill_envs):
+        if backfill_envs > per_stream:
+            raise ValueError(
+                f"backfill envs ({backfill_envs}) are all on one stream, and the server takes at "
+                f"most {max_envs_per_stream} per stream"
+            )
         raise ValueError(
-            f"envs ({num_envs}) over workers ({num_workers}) puts {per_stream} envs on a worker's "
+            f"envs ({envs}) over workers ({num_workers}) puts {per_stream} envs on a worker's "
             f"stream, and the server takes at most {max_envs_per_stream} per stream: use workers >= "
-            f"{-(-num_envs // max_envs_per_stream)}"
+            f"{-(-envs // max_envs_per_stream)}"
         )
 
 
 class WorkerFleet:
-    """``num_workers`` sim worker processes sharing ``num_envs`` envs between them."""
+    """``num_workers`` sim worker processes sharing ``num_envs`` envs between them, and with
+    ``backfill_envs`` one more, a backfill worker, that steps those of them in the CPU time the
+    others and the server leave idle."""
 
     def __init__(
         self,
@@ -610,13 +638,17 @@ class WorkerFleet:
         *,
         log_level: str = "WARNING",
         worker_cpus: Sequence[int] = (),
+        backfill_envs: int = 0,
     ) -> None:
-        """``worker_cpus``: worker i runs on CPU ``worker_cpus[i % len(worker_cpus)]`` (empty: any)."""
-        check_fleet(config.num_envs, num_workers, config.groups)
+        """``worker_cpus``: worker i runs on CPU ``worker_cpus[i % len(worker_cpus)]`` (empty: any);
+        the backfill worker on this process's other CPUs (the server's), or on any where
+        ``worker_cpus`` leaves none."""
+        check_fleet(config.num_envs, num_workers, config.groups, backfill_envs=backfill_envs)
         self.config = config
         self.num_workers = num_workers
         self.log_level = log_level
         self.worker_cpus = tuple(worker_cpus)
+        self.backfill_envs = backfill_envs
         self._stop = _CTX.Event()
         self._episodes: Any = _CTX.Queue()
         self._errors: Any = _CTX.SimpleQueue()  # what failed workers said, one line each
@@ -626,19 +658,43 @@ class WorkerFleet:
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
 
-    def start(self) -> None:
+    def _configs(self) -> list[SimWorkerConfig]:
+        """Each worker's config, the backfill worker's last."""
         cfg = self.config
-        bounds = [cfg.num_envs * i // self.num_workers for i in range(self.num_workers + 1)]
-        for i in range(self.num_workers):
-            n = bounds[i + 1] - bounds[i]
-            wcfg = replace(
+        envs = cfg.num_envs - self.backfill_envs
+        bounds = [envs * i // self.num_workers for i in range(self.num_workers + 1)]
+        name = cfg.session_id or "sim"
+        configs = [
+            replace(
                 cfg,
                 num_envs=n,
                 seed=cfg.seed + bounds[i],
-                session_id=f"{cfg.session_id or 'sim'}/worker-{i}",
+                session_id=f"{name}/worker-{i}",
                 max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
                 cpus=(self.worker_cpus[i % len(self.worker_cpus)],) if self.worker_cpus else cfg.cpus,
             )
+            for i, n in enumerate(b - a for a, b in itertools.pairwise(bounds))
+        ]
+        if self.backfill_envs:
+            n = self.backfill_envs
+            configs.append(
+                replace(
+                    cfg,
+                    num_envs=n,
+                    groups=1,
+                    seed=cfg.seed + envs,
+                    session_id=f"{name}/backfill",
+                    max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
+                    cpus=tuple(sorted(other_cpus(self.worker_cpus) or ())) or cfg.cpus,
+                    network_process=False,  # its stream costs little CPU, and it gets what is left
+                    network_cpus=(),
+                    backfill=True,
+                )
+            )
+        return configs
+
+    def start(self) -> None:
+        for i, wcfg in enumerate(self._configs()):
             steps: Synchronized[int] = _CTX.Value("q", 0)  # type: ignore[assignment,unused-ignore]
             built = _CTX.Event()
             proc = _CTX.Process(

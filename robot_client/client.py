@@ -437,8 +437,10 @@ class EdgeClient:
         env_name: str = "",
         max_inflight: int = 1,
         timeout_s: float | None = None,
+        backfill: bool = False,
     ) -> ActStream:
-        """Open an Act stream and send its StreamHello."""
+        """Open an Act stream and send its StreamHello (``backfill``: see
+        ``StreamHello.backfill``)."""
         call = self._stub.Act(timeout=STREAM_DEADLINE_S, metadata=self._metadata)
         stream = ActStream(call, num_envs, max_inflight, self.timeout_s if timeout_s is None else timeout_s)
         hello = pb.StreamHello(
@@ -447,6 +449,7 @@ class EdgeClient:
             num_envs=num_envs,
             obs_shape=list(obs_shape),
             max_inflight=max_inflight,
+            backfill=backfill,
         )
         try:
             async with asyncio.timeout(stream.timeout_s):

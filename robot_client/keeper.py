@@ -55,6 +55,8 @@ class StreamSettings:
     act_shape: tuple[int, ...] | None = None
     """Shape of one action of the envs or robots behind the stream, checked against the
     server's; None: not checked."""
+    backfill: bool = False
+    """The stream only fills the server's idle time (``StreamHello.backfill``)."""
 
     @classmethod
     def of(
@@ -66,6 +68,7 @@ class StreamSettings:
         *,
         act_shape: tuple[int, ...] | None = None,
         env_name: str = "",
+        backfill: bool = False,
     ) -> StreamSettings:
         """The settings of a stream that a robot host's or a sim worker's config describes."""
         return cls(
@@ -81,6 +84,7 @@ class StreamSettings:
             cpus=tuple(link.network_cpus),
             env_name=env_name,
             act_shape=None if act_shape is None else tuple(act_shape),
+            backfill=backfill,
         )
 
 
@@ -178,6 +182,7 @@ class StreamKeeper(Generic[Part]):
                         env_name=cfg.env_name,
                         max_inflight=cfg.num_envs,
                         timeout_s=cfg.timeout_s,
+                        backfill=cfg.backfill,
                     )
                     self.epoch += 1
                     self._live = asyncio.Queue()

@@ -75,6 +75,10 @@ class SimWorkerConfig:
     local_socket: str = ""
     """Path of the edge server's local Act socket (``edgerl serve --local-socket``): stream over it
     instead of gRPC, as a worker on the server's machine may; ``server`` is then not used."""
+    backfill: bool = False
+    """Only fill the CPU time the server leaves idle: the worker process runs at idle CPU
+    priority (``SCHED_IDLE``, set where it starts) and its stream tells the server not to wait
+    for it (``StreamHello.backfill``), so it slows neither the server nor other workers."""
 
     def __post_init__(self) -> None:
         if self.num_envs < 1:
@@ -220,6 +224,7 @@ class SimWorker:
                         obs_shape=self._obs_shape,
                         env_name=cfg.env_name,
                         max_inflight=cfg.groups,
+                        backfill=cfg.backfill,
                     )
                     self._answered = False
                     # Stops promptly even while an answer is pending (e.g. held by backpressure).
@@ -302,6 +307,7 @@ class SimWorker:
             self._obs_shape,
             act_shape=self._act_shape,
             env_name=cfg.env_name,
+            backfill=cfg.backfill,
         )
         net: _NetworkEnd | _LocalEnd = (
             _LocalEnd(cfg.local_socket, settings) if cfg.local_socket else _NetworkEnd(settings)

@@ -223,8 +223,17 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
     assert choose_placement(env_s=1.0, inference_s=15.0, cpus=1) == ("off", False, 1)
     cfg = ThroughputConfig().placed(1.0, 0.1, cpus=2)
     assert (cfg.worker_cpus, cfg.network_process, cfg.replicas, cfg.groups) == ("auto", True, 1, 2)
+    # the workers' cores are the bottleneck: where the server has CPUs of its own, a backfill
+    # worker takes 3/8 of the envs
+    spare = len(os.sched_getaffinity(0)) > 1
+    assert cfg.backfill_envs == (24 if spare else 0)
+    assert ThroughputConfig().placed(1.0, 0.9, cpus=2).backfill_envs == 0  # the server's core is
+    # 6 envs: 2 for a backfill worker would leave 4 for the worker's 5 groups
+    assert ThroughputConfig(envs=6, groups=5).placed(1.0, 0.1, cpus=2).backfill_envs == 0
     given = ThroughputConfig(worker_cpus="off", network_process=False, replicas=3).placed(1.0, 0.1, cpus=2)
     assert (given.worker_cpus, given.network_process, given.replicas) == ("off", False, 3)  # given: kept
+    assert given.backfill_envs == 0  # no CPU of the server's own to fill
+    assert ThroughputConfig(backfill_envs=8).placed(1.0, 0.9, cpus=2).backfill_envs == 8  # given: kept
     with pytest.raises(ValueError, match="replicas must be >= 0"):
         ThroughputConfig(replicas=-1)
 

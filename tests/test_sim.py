@@ -13,7 +13,14 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerError, WorkerFleet
+from edgerl.edge_server.server import ServerConfig
+from edgerl.launch.processes import (
+    PolicySpec,
+    ServerProcess,
+    WorkerError,
+    WorkerFleet,
+    check_fleet,
+)
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
 from tests.helpers import EchoPolicy, free_port, run, running_server, thread_ids
@@ -187,6 +194,43 @@ def test_a_worker_process_keeps_grpc_threads_from_preempting_its_env_stepping() 
     assert seen[pid] == os.SCHED_OTHER  # the thread stepping the envs
     assert len(helpers) >= 2, helpers  # gRPC's event engine and the asyncio poller at least
     assert all(p == os.SCHED_BATCH for p in helpers.values()), helpers
+
+
+def test_a_backfill_worker_steps_its_envs_at_idle_priority_and_is_not_waited_for() -> None:
+    # a batching delay of 5 s: a step that waited for the backfill worker's would take seconds
+    with ServerProcess(
+        PolicySpec("InvertedPendulum-v5", "mlp-small"), ServerConfig(max_delay_us=5_000_000)
+    ) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=6)
+        with WorkerFleet(config, 1, backfill_envs=2) as fleet:
+            fleet.wait_started()
+            pids = fleet.pids
+            main_policy, backfill_policy = (os.sched_getscheduler(p) for p in pids)
+            deadline = time.monotonic() + 60.0
+            while min(fleet.worker_steps()) < 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            t0, steps0 = time.monotonic(), fleet.worker_steps()[0]
+            time.sleep(1.0)
+            rate = (fleet.worker_steps()[0] - steps0) / (time.monotonic() - t0)
+    assert len(pids) == 2 and main_policy == os.SCHED_OTHER and backfill_policy == os.SCHED_IDLE
+    assert min(fleet.worker_steps()) >= 200  # both step their envs (4 and 2)
+    assert rate > 100, rate  # the 4 envs of the other worker: 25 steps per second if it waited 5 s
+
+
+@pytest.mark.parametrize(
+    ("envs", "workers", "backfill", "message"),
+    [
+        (8, 1, 8, r"backfill envs must be in \[0, envs=8\), got 8"),
+        (8, 2, 5, r"envs less backfill envs \(8 - 5\) \(3\) must be >= workers x groups \(2 x 2\)"),
+    ],
+)
+def test_a_fleet_with_a_backfill_worker_is_checked(
+    envs: int, workers: int, backfill: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_fleet(envs, workers, 2, backfill_envs=backfill)
+    with pytest.raises(ValueError, match="backfill envs \\(300\\) are all on one stream"):
+        check_fleet(600, 4, 2, max_envs_per_stream=256, backfill_envs=300)
 
 
 def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
