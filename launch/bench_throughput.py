@@ -387,7 +387,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                 (f"{mode}/sync_unary", round(med[mode] / med["sync_unary"], 3)),
                 (f"{mode}/sync_inprocess", round(med[mode] / med["sync_inprocess"], 3)),
                 # how much of the overlap bound the pipeline reaches (1.0: perfect overlap of one
-                # inference engine with the envs; policy replicas can go beyond it)
+                # inference engine with the envs; policy replicas and a backfill worker can go beyond it)
                 (f"{mode}/overlap_bound", round(med[mode] / (med["sync_inprocess"] * overlap), 3)),
             )
         },
