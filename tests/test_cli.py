@@ -222,11 +222,13 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
     assert choose_placement(env_s=1.0, inference_s=15.0, cpus=16) == ("off", False, 4)
     assert choose_placement(env_s=1.0, inference_s=15.0, cpus=1) == ("off", False, 1)
     cfg = ThroughputConfig().placed(1.0, 0.1, cpus=2)
-    assert (cfg.worker_cpus, cfg.network_process, cfg.replicas, cfg.groups) == ("auto", True, 1, 2)
     # the workers' cores are the bottleneck: where the server has CPUs of its own, a backfill
-    # worker takes 3/8 of the envs
+    # worker takes 3/8 of the envs and the server's idle time, and the worker keeps its stream
     spare = len(os.sched_getaffinity(0)) > 1
+    assert (cfg.worker_cpus, cfg.network_process, cfg.replicas, cfg.groups) == ("auto", not spare, 1, 2)
     assert cfg.backfill_envs == (24 if spare else 0)
+    both = ThroughputConfig(network_process=True).placed(1.0, 0.1, cpus=2)
+    assert (both.network_process, both.backfill_envs) == (True, 24 if spare else 0)  # given: kept
     assert ThroughputConfig().placed(1.0, 0.9, cpus=2).backfill_envs == 0  # the server's core is
     # 6 envs: 2 for a backfill worker would leave 4 for the worker's 5 groups
     assert ThroughputConfig(envs=6, groups=5).placed(1.0, 0.1, cpus=2).backfill_envs == 0
