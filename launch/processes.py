@@ -664,13 +664,17 @@ class WorkerFleet:
         envs = cfg.num_envs - self.backfill_envs
         bounds = [envs * i // self.num_workers for i in range(self.num_workers + 1)]
         name = cfg.session_id or "sim"
+
+        def steps(n: int) -> int:  # a worker's share of max_steps, by its envs
+            return cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0
+
         configs = [
             replace(
                 cfg,
                 num_envs=n,
                 seed=cfg.seed + bounds[i],
                 session_id=f"{name}/worker-{i}",
-                max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
+                max_steps=steps(n),
                 cpus=(self.worker_cpus[i % len(self.worker_cpus)],) if self.worker_cpus else cfg.cpus,
             )
             for i, n in enumerate(b - a for a, b in itertools.pairwise(bounds))
@@ -684,7 +688,7 @@ class WorkerFleet:
                     groups=1,
                     seed=cfg.seed + envs,
                     session_id=f"{name}/backfill",
-                    max_steps=cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0,
+                    max_steps=steps(n),
                     cpus=tuple(sorted(other_cpus(self.worker_cpus) or ())) or cfg.cpus,
                     network_process=False,  # its stream costs little CPU, and it gets what is left
                     network_cpus=(),
