@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -53,6 +51,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from edgerl.edge_server.policy import PolicyBackend, PolicyResult
+from edgerl.watchdog.sched import no_wakeup_preemption
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -473,20 +472,3 @@ class DynamicBatcher:
     def _finish(req: _Request) -> None:
         if req.slots is not None:
             req.slots.outstanding -= 1
-
-
-def no_wakeup_preemption(tid: int = 0) -> None:
-    """Give thread ``tid`` (0: the calling thread) the SCHED_BATCH policy: it keeps its fair
-    share of the CPU but does not preempt the thread running when it wakes. Nothing happens
-    where the policy is missing (not Linux) or the thread has ended.
-
-    An inference thread wakes for each batch while the event loop's thread is still handing
-    out the last batch's answers and reading new requests; preempting it, the forward pass
-    held those back by a whole batch's time, and the clients' next requests with them. With the
-    server on one CPU (``mlp-large``, 64 envs, double-buffered, over the local Act socket) the
-    server's core sat idle 6-7 % of the time for want of requests; with this thread SCHED_BATCH
-    it ran full, at 7-8 % more env steps/s (2 alternated pairs), and with the next batch also
-    started after the answers (see ``_start``) at 8-12 % more; over gRPC both gave 3 %.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))

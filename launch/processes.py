@@ -28,9 +28,9 @@ from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
 from typing import Any
 
-from edgerl.edge_server.batcher import no_wakeup_preemption
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.robot_client.sim_worker import SimWorkerConfig
+from edgerl.watchdog.sched import idle_priority, no_wakeup_preemption, thread_ids
 
 log = logging.getLogger(__name__)
 
@@ -484,16 +484,6 @@ def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def idle_priority() -> None:
-    """Put every thread of this process, and those started from now on, under the SCHED_IDLE
-    policy: they run only on CPU time no other thread wants. Nothing happens where the policy
-    is missing (not Linux) or a thread has ended."""
-    with contextlib.suppress(OSError, AttributeError):
-        for name in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(int(name), os.SCHED_IDLE, os.sched_param(0))
-
-
 def yield_helper_threads(keep: int, done: set[int]) -> None:
     """Give every thread of this process but ``keep`` (a native thread id) the SCHED_BATCH policy.
 
@@ -508,8 +498,7 @@ def yield_helper_threads(keep: int, done: set[int]) -> None:
     Threads in ``done`` are skipped, and each thread handled is added to it, so calling this
     again costs one directory listing.
     """
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
+    for tid in thread_ids():
         if tid == keep or tid in done:
             continue
         done.add(tid)

@@ -47,6 +47,7 @@ from edgerl.proto.frames import (
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
+from edgerl.watchdog.sched import for_each_thread
 
 
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
@@ -83,8 +84,7 @@ async def _main(sock: socket.socket) -> None:
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     if cfg.cpus:  # every thread so far (numpy's among them); gRPC's, started later, inherit it
-        for task in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(task), cfg.cpus)
+        for_each_thread(lambda tid: os.sched_setaffinity(tid, cfg.cpus))
 
     def answer(epoch: int, a: Actions) -> None:
         writer.write(encode_answer(epoch, a.policy_version, a.actions, a.log_probs))

@@ -122,11 +122,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def thread_ids(pid: int) -> list[int]:
-    """Native ids of the threads of process ``pid`` (one may end right after the listing)."""
-    return [int(name) for name in os.listdir(f"/proc/{pid}/task")]
-
-
 def run(coro: object, timeout_s: float = 120.0) -> object:
     """Run a coroutine to completion with a hard timeout."""
 

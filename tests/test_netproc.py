@@ -15,8 +15,9 @@ from edgerl.proto import frames
 from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import StreamSettings, concat_rows
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, thread_ids
+from tests.helpers import EchoPolicy, ServerThread
 from tests.test_robot import CounterRobot
 
 

@@ -23,7 +23,8 @@ from edgerl.launch.processes import (
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
-from tests.helpers import EchoPolicy, free_port, run, running_server, thread_ids
+from edgerl.watchdog.sched import thread_ids
+from tests.helpers import EchoPolicy, free_port, run, running_server
 
 
 def test_same_seed_same_trajectory() -> None:
