@@ -123,34 +123,46 @@ class ThroughputConfig:
         return workers, other_cpus(workers)
 
     def placed(self, env_s: float, inference_s: float, cpus: int) -> ThroughputConfig:
-        """This config with the placement :func:`choose_placement` gives for these costs and
-        ``cpus`` CPUs for inference, where ``worker_cpus``, ``network_process``, ``replicas`` or
-        ``backfill_envs`` is left open (and ``groups``, which follows ``replicas`` for the llm
-        policy). Backfill envs are chosen where :func:`choose_placement` chooses the network
-        process (the workers' cores are the bottleneck), the workers get CPUs of their own and the
-        envs leave each worker ``groups`` of them; the workers then keep their streams, unless
-        ``network_process`` is given."""
-        worker_cpus, network_process, replicas = choose_placement(env_s, inference_s, cpus)
+        """This config with the :class:`Placement` :func:`choose_placement` gives for these costs
+        and ``cpus`` CPUs for inference, where ``worker_cpus``, ``network_process``, ``replicas``
+        or ``backfill_envs`` is left open (and ``groups``, which follows ``replicas`` for the llm
+        policy). A backfill worker needs CPUs the sim workers leave and envs enough to leave each
+        worker ``groups`` of them; without one the placement's fallback holds."""
+        chosen = choose_placement(env_s, inference_s, cpus)
         placed = replace(
             self,
-            worker_cpus=worker_cpus if self.worker_cpus is None else self.worker_cpus,
-            network_process=network_process if self.network_process is None else self.network_process,
-            replicas=self.replicas or replicas,
+            worker_cpus=chosen.worker_cpus if self.worker_cpus is None else self.worker_cpus,
+            replicas=self.replicas or chosen.replicas,
         )
-        if self.backfill_envs is not None:
-            return placed
-        backfill = 0
-        if network_process and placed.placement()[1]:  # the workers' cores are the bottleneck
-            backfill = int(self.envs * BACKFILL_SHARE)
-            groups = placed.groups or 2
-            if self.envs - backfill < self.workers * groups:
+        backfill = self.backfill_envs
+        if backfill is None:
+            backfill = int(self.envs * chosen.backfill_share) if placed.placement()[1] else 0
+            if self.envs - backfill < self.workers * (placed.groups or 2):
                 backfill = 0
-        if backfill and self.network_process is None:
-            # The server's idle CPU time goes to the backfill worker rather than to network
-            # processes: a worker that keeps its stream ran 1.02-1.43x (4 ABBA rounds, median
-            # 1.18x) the env steps/s of one whose stream ran in a network process.
-            placed = replace(placed, network_process=False)
+        if self.network_process is None:
+            placed = replace(placed, network_process=chosen.stream_leaves_worker(backfill))
         return replace(placed, backfill_envs=backfill)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where async_stream's sim workers and their streams run, and what serves them."""
+
+    worker_cpus: str
+    """The sim workers' CPUs (``ThroughputConfig.worker_cpus``)."""
+    replicas: int
+    """Policy replicas in the server."""
+    backfill_share: float = 0.0
+    """Share of the envs for a backfill worker (0: none)."""
+    network_process: bool = False
+    """Each worker's stream in a network process, where no backfill worker runs. A backfill
+    worker takes the server's idle CPU time, the time a network process would use: beside one
+    the workers keep their streams (a worker that kept its stream ran 1.02-1.43x, 4 ABBA rounds,
+    median 1.18x, the env steps/s of one whose stream ran in a network process)."""
+
+    def stream_leaves_worker(self, backfill_envs: int) -> bool:
+        """Whether each worker's stream runs in a network process, beside ``backfill_envs``."""
+        return self.network_process and not backfill_envs
 
 
 NETWORK_PROCESS_BELOW = 0.25
@@ -162,8 +174,8 @@ REPLICAS_ABOVE = 3.0
 chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x with
 ``--replicas 2 --worker-cpus off`` given); well below the ``llm`` policy's ~12x."""
 BACKFILL_SHARE = 0.375
-"""Share of the envs :meth:`ThroughputConfig.placed` gives a backfill worker where it chooses the
-network process (the workers' cores are the bottleneck). With 64 HalfCheetah envs and ``mlp``
+"""Share of the envs :func:`choose_placement` gives a backfill worker where the workers' cores are
+the bottleneck. With 64 HalfCheetah envs and ``mlp``
 (the slower machine, 6 s runs in ABBA order), a backfill worker of 16 envs ran at 1.09x (median
 1.10x of 6) the env steps/s of one worker of all 64, one of 24 at 1.05-1.14x that of 16 (3), one
 of 32 at 0.87-0.95x that of 24 (3): the backfill worker's messages cost the server's core too."""
@@ -171,17 +183,19 @@ MAX_CHOSEN_REPLICAS = 4
 """Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
 
 
-def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, bool, int]:
-    """Where async_stream's sim workers and their streams run, and how many policy replicas
-    serve them (``worker_cpus``, ``network_process``, ``replicas``), given the time the in-process
-    loop spent stepping the envs and in inference, and the CPUs inference may use (1 where it
-    runs on a GPU).
+def choose_placement(env_s: float, inference_s: float, cpus: int) -> Placement:
+    """Where async_stream's sim workers and their streams run, how many policy replicas serve
+    them and what share of the envs a backfill worker steps, given the time the in-process loop
+    spent stepping the envs and in inference, and the CPUs inference may use (1 where it runs on
+    a GPU).
 
     Measured side by side on the reference 2-core machine (64 HalfCheetah envs, medians of 3):
     - inference under a quarter of env stepping (``mlp``: 0.09) leaves the worker's core the
-      bottleneck, its gRPC client included: a network process takes that off the worker, which
-      keeps a CPU of its own (1.016x the in-process loop, against 0.85x unplaced and 0.79x
-      with the CPU alone);
+      bottleneck, its gRPC client included, and the server's core idle a third of the time: a
+      backfill worker (:data:`BACKFILL_SHARE` of the envs) steps envs in that time, and the
+      worker keeps a CPU of its own. Without a backfill worker, a network process takes the
+      stream off the worker (1.016x the in-process loop, against 0.85x unplaced and 0.79x with
+      the CPU alone);
     - inference about as costly as env stepping (``mlp-large``: 0.88-0.98 when measured) makes
       the server's core the busier one, which a network process would share: the worker keeps a
       CPU of its own (1.32x, against 1.27x unplaced and 0.98x with a network process too);
@@ -192,8 +206,10 @@ def choose_placement(env_s: float, inference_s: float, cpus: int) -> tuple[str, 
       1,478 against 1,579).
     """
     if inference_s > REPLICAS_ABOVE * env_s:
-        return "off", False, max(1, min(cpus, MAX_CHOSEN_REPLICAS))
-    return "auto", inference_s < NETWORK_PROCESS_BELOW * env_s, 1
+        return Placement("off", max(1, min(cpus, MAX_CHOSEN_REPLICAS)))
+    if inference_s < NETWORK_PROCESS_BELOW * env_s:
+        return Placement("auto", 1, BACKFILL_SHARE, network_process=True)
+    return Placement("auto", 1)
 
 
 def inference_cpus() -> int:

@@ -211,16 +211,20 @@ def test_worker_cpus_are_checked_naming_the_option() -> None:
 
 
 def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
-    from edgerl.launch.bench_throughput import ThroughputConfig, choose_placement
+    from edgerl.launch.bench_throughput import BACKFILL_SHARE, Placement, ThroughputConfig, choose_placement
 
-    # the worker's core is the bottleneck: the stream leaves it
-    assert choose_placement(env_s=1.0, inference_s=0.1, cpus=2) == ("auto", True, 1)
-    assert choose_placement(env_s=1.0, inference_s=0.9, cpus=2) == ("auto", False, 1)  # the server's core is
-    assert choose_placement(env_s=1.0, inference_s=1.5, cpus=2) == ("auto", False, 1)  # noise about parity
+    # the worker's core is the bottleneck: a backfill worker, else the stream leaves the worker
+    mlp = choose_placement(env_s=1.0, inference_s=0.1, cpus=2)
+    assert mlp == Placement("auto", 1, BACKFILL_SHARE, network_process=True)
+    assert (mlp.stream_leaves_worker(0), mlp.stream_leaves_worker(24)) == (True, False)
+    # the server's core is the bottleneck (or about even, with noise): the stream stays
+    for inference_s in (0.9, 1.5):
+        large = choose_placement(env_s=1.0, inference_s=inference_s, cpus=2)
+        assert large == Placement("auto", 1) and not large.stream_leaves_worker(0)
     # the engine needs every CPU and steps on one: a replica per CPU, up to 4
-    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=2) == ("off", False, 2)
-    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=16) == ("off", False, 4)
-    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=1) == ("off", False, 1)
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=2) == Placement("off", 2)
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=16) == Placement("off", 4)
+    assert choose_placement(env_s=1.0, inference_s=15.0, cpus=1) == Placement("off", 1)
     cfg = ThroughputConfig().placed(1.0, 0.1, cpus=2)
     # the workers' cores are the bottleneck: where the server has CPUs of its own, a backfill
     # worker takes 3/8 of the envs and the server's idle time, and the worker keeps its stream
@@ -236,6 +240,10 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
     assert (given.worker_cpus, given.network_process, given.replicas) == ("off", False, 3)  # given: kept
     assert given.backfill_envs == 0  # no CPU of the server's own to fill
     assert ThroughputConfig(backfill_envs=8).placed(1.0, 0.9, cpus=2).backfill_envs == 8  # given: kept
+    # given for mlp: the stream stays in the worker beside a backfill worker, leaves it without one
+    for given_envs, leaves in ((8, False), (0, True)):
+        placed = ThroughputConfig(backfill_envs=given_envs).placed(1.0, 0.1, cpus=2)
+        assert (placed.backfill_envs, placed.network_process) == (given_envs, leaves)
     with pytest.raises(ValueError, match="replicas must be >= 0"):
         ThroughputConfig(replicas=-1)
 
