@@ -175,10 +175,10 @@ chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x w
 ``--replicas 2 --worker-cpus off`` given); well below the ``llm`` policy's ~12x."""
 BACKFILL_SHARE = 0.375
 """Share of the envs :func:`choose_placement` gives a backfill worker where the workers' cores are
-the bottleneck. With 64 HalfCheetah envs and ``mlp``
-(the slower machine, 6 s runs in ABBA order), a backfill worker of 16 envs ran at 1.09x (median
-1.10x of 6) the env steps/s of one worker of all 64, one of 24 at 1.05-1.14x that of 16 (3), one
-of 32 at 0.87-0.95x that of 24 (3): the backfill worker's messages cost the server's core too."""
+the bottleneck. With 64 HalfCheetah envs and ``mlp`` (the slower machine, 6 s runs in ABBA
+order), a backfill worker of 16 envs ran at 1.09x (median 1.10x of 6) the env steps/s of one
+worker of all 64, one of 24 at 1.05-1.14x that of 16 (3), one of 32 at 0.87-0.95x that of 24
+(3): the backfill worker's messages cost the server's core too."""
 MAX_CHOSEN_REPLICAS = 4
 """Most policy replicas :func:`choose_placement` chooses (each holds a whole engine)."""
 
