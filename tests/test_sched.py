@@ -35,7 +35,7 @@ def _in_a_thread(fn: Any) -> Any:
     return out[0]
 
 
-def test_thread_ids_lists_this_process_and_another() -> None:
+def test_thread_ids_lists_this_process_threads_by_0_or_by_its_pid() -> None:
     t, release = _held()
     try:
         mine = thread_ids()
