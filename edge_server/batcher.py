@@ -163,7 +163,7 @@ class DynamicBatcher:
         self.stats = BatcherStats()
         self._queue: collections.deque[_Request] = collections.deque()
         self._queued_rows = 0
-        self._open_streams = 0
+        self._counted_streams = 0
         self._streams_waiting = 0
         self._closing = False
         self._depth = max(1, backend.pipeline_depth)
@@ -216,14 +216,14 @@ class DynamicBatcher:
         """Register a stream that keeps up to ``max_inflight`` requests outstanding; a
         ``backfill`` stream is never waited for (dispatch rule 2)."""
         if not backfill:
-            self._open_streams += 1
+            self._counted_streams += 1
         return StreamSlots(max(1, max_inflight), counted=not backfill)
 
     def close_stream(self, slots: StreamSlots) -> None:
         """Forget a stream; its outstanding requests still complete."""
         if slots.counted:
             slots.counted = False
-            self._open_streams -= 1
+            self._counted_streams -= 1
             if slots.queued:
                 self._streams_waiting -= 1
             self._pump()  # one stream fewer to wait for
@@ -235,7 +235,7 @@ class DynamicBatcher:
     @property
     def waited_streams(self) -> int:
         """Open streams that dispatch rule 2 waits for (backfill streams not counted)."""
-        return self._open_streams
+        return self._counted_streams
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, obs: np.ndarray, slots: StreamSlots | None = None) -> asyncio.Future[BatchResult]:
@@ -297,7 +297,7 @@ class DynamicBatcher:
         return (
             self._closing
             or self._queued_rows >= self.max_batch_size
-            or self._streams_waiting >= self._open_streams
+            or self._streams_waiting >= self._counted_streams
             or now_ns - self._queue[0].enqueued_ns >= self.max_delay_ns
         )
 

@@ -55,12 +55,11 @@ def _bound(values: np.ndarray | None, shape: tuple[int, ...], fill: float, name:
     Raises:
         ValueError: ``values`` does not hold one value per element of ``shape``.
     """
-    if values is None:
-        return np.full(shape, fill, np.float32)
-    arr = np.asarray(values, np.float32)
-    if arr.size != int(np.prod(shape, dtype=np.int64)):
-        raise ValueError(f"{name} holds {arr.size} values, the policy's observations {shape}")
-    return arr.reshape(shape)
+    bound = tensors.box_bound(values, shape, fill)
+    if bound is None:  # only given values can be of the wrong size
+        assert values is not None
+        raise ValueError(f"{name} holds {np.asarray(values).size} values, the policy's observations {shape}")
+    return bound
 
 
 def _box(shape: tuple[int, ...], low: np.ndarray, high: np.ndarray) -> pb.BoxSpace:

@@ -9,6 +9,7 @@ surfacing later as a reshape error.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -95,3 +96,15 @@ def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
             f"({expected} bytes)",
         )
     return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def box_bound(
+    values: Sequence[float] | np.ndarray | None, shape: tuple[int, ...], fill: float
+) -> np.ndarray | None:
+    """A ``BoxSpace`` bound as float32 of ``shape``: ``fill`` everywhere where ``values`` is None,
+    else ``values`` reshaped; None where they do not hold one value per element of ``shape`` (the
+    caller names the field in its error)."""
+    if values is None:
+        return np.full(shape, fill, np.float32)
+    arr = np.asarray(values, np.float32)
+    return arr.reshape(shape) if arr.size == math.prod(shape) else None

@@ -83,12 +83,12 @@ def _box_of(space: pb.BoxSpace, field: str) -> tuple[tuple[int, ...], np.ndarray
     shape = tuple(int(d) for d in space.shape)
     bounds = []
     for name, values, fill in (("low", space.low, -np.inf), ("high", space.high, np.inf)):
-        arr = np.asarray(values, np.float32)
-        if arr.size == 0:
-            arr = np.full(shape, fill, np.float32)
-        elif arr.size != int(np.prod(shape, dtype=np.int64)):
-            raise errors.ProtocolError(f"Describe: {field}.{name} holds {arr.size} values for shape {shape}")
-        bounds.append(arr.reshape(shape))
+        bound = tensors.box_bound(values or None, shape, fill)
+        if bound is None:
+            raise errors.ProtocolError(
+                f"Describe: {field}.{name} holds {len(values)} values for shape {shape}"
+            )
+        bounds.append(bound)
     return shape, bounds[0], bounds[1]
 
 

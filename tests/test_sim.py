@@ -219,19 +219,18 @@ def test_a_backfill_worker_steps_its_envs_at_idle_priority_and_is_not_waited_for
 
 
 @pytest.mark.parametrize(
-    ("envs", "workers", "backfill", "message"),
+    ("envs", "workers", "backfill", "per_stream", "message"),
     [
-        (8, 1, 8, r"backfill envs must be in \[0, envs=8\), got 8"),
-        (8, 2, 5, r"envs less backfill envs \(8 - 5\) \(3\) must be >= workers x groups \(2 x 2\)"),
+        (8, 1, 8, 0, r"backfill envs must be in \[0, envs=8\), got 8"),
+        (8, 2, 5, 0, r"envs less backfill envs \(8 - 5\) \(3\) must be >= workers x groups \(2 x 2\)"),
+        (600, 4, 300, 256, r"backfill envs \(300\) are all on one stream"),
     ],
 )
 def test_a_fleet_with_a_backfill_worker_is_checked(
-    envs: int, workers: int, backfill: int, message: str
+    envs: int, workers: int, backfill: int, per_stream: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        check_fleet(envs, workers, 2, backfill_envs=backfill)
-    with pytest.raises(ValueError, match="backfill envs \\(300\\) are all on one stream"):
-        check_fleet(600, 4, 2, max_envs_per_stream=256, backfill_envs=300)
+        check_fleet(envs, workers, 2, max_envs_per_stream=per_stream, backfill_envs=backfill)
 
 
 def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:

@@ -36,3 +36,12 @@ def test_unknown_dtype_names_the_field() -> None:
 def test_decode_is_a_read_only_view() -> None:
     arr = tensors.decode(tensors.encode(np.zeros(3, np.float32)))
     assert not arr.flags.writeable
+
+
+def test_box_bound_fills_a_missing_bound_reshapes_a_given_one_and_refuses_a_wrong_size() -> None:
+    np.testing.assert_array_equal(tensors.box_bound(None, (2, 2), -np.inf), np.full((2, 2), -np.inf))
+    bound = tensors.box_bound([1, 2, 3, 4], (2, 2), np.inf)
+    assert bound is not None and bound.dtype == np.float32
+    np.testing.assert_array_equal(bound, [[1, 2], [3, 4]])
+    assert tensors.box_bound([1, 2, 3], (2, 2), np.inf) is None
+    assert tensors.box_bound([], (2, 2), np.inf) is None  # empty is a size, not "unbounded"
