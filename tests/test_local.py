@@ -346,11 +346,19 @@ def test_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
     run(main())
 
 
-def test_check_rows_reads_ids_out_of_order() -> None:
+def test_check_rows_reads_runs_and_ids_out_of_order() -> None:
     spec = StreamSpec("s", "", num_envs=6, max_inflight=6)
     obs = check_rows(_rows([5, 0, 3]), spec, (OBS,), max_rows=8)
     assert obs.shape == (3, OBS)
-    for ids, message in (([5, 0, 5], "duplicate env id"), ([2, -1], r"\[0, num_envs=6\), got -1")):
+    run = _rows([2, 3, 4])
+    assert (check_rows(run, spec, (OBS,), max_rows=8) == run.obs).all()
+    bad = (
+        ([5, 0, 5], "duplicate env id"),
+        ([0, 2, 2], "duplicate env id"),  # spans three ids, as a run would
+        ([2, -1], r"\[0, num_envs=6\), got -1"),
+        ([4, 5, 6], r"\[0, num_envs=6\), got 6"),  # a run past the stream's envs
+    )
+    for ids, message in bad:
         with pytest.raises(InvalidRequestError, match=message):
             check_rows(_rows(ids), spec, (OBS,), max_rows=8)
     with pytest.raises(InvalidRequestError, match="need 1 to 2 env ids"):
