@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ import numpy as np
 
 from edgerl.edge_server.batcher import STATS_WINDOW
 from edgerl.edge_server.server import ServerConfig
+from edgerl.launch.machine import gemm_line, gemm_ms, machine_info
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -365,6 +364,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
     stream_stats: dict[str, dict[str, Any]] = {}
+    gemm_before = gemm_ms()
+    progress(gemm_line(gemm_before))
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
     cfg = cfg.placed(first[1], first[2], inference_cpus())
@@ -416,11 +417,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         **{f"server_{mode}": stream_stats.get(mode, {}) for mode in STREAM_MODES},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-        },
+        "machine": machine_info(before=gemm_before, after=gemm_ms()),
         "unix_time": int(time.time()),
     }
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 
@@ -252,3 +254,14 @@ def run_a_later_grpc_loop() -> None:
         await asyncio.sleep(0.5)
 
     asyncio.run(later())
+
+
+def check_machine_block(result: dict[str, Any]) -> None:
+    """A bench's JSON carries the machine it ran on and the time of the ``mlp-large`` layer's
+    32-row product before and after its runs."""
+    block = result["machine"]
+    assert block["cpus"] == os.cpu_count() and block["cpu_model"]
+    gemm = block["gemm_32x1040_ms"]
+    assert set(gemm) == {"before", "after"}
+    # 0.01 ms would be 7 TFLOP/s on one core, 100 ms a tenth of a GFLOP/s: another unit
+    assert all(math.isfinite(v) and 0.01 < v < 100.0 for v in gemm.values()), gemm

@@ -22,7 +22,7 @@ from edgerl.launch.processes import fleet_groups
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, free_port
+from tests.helpers import EchoPolicy, ServerThread, act_once, check_machine_block, free_port
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -552,6 +552,7 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
         # one repeat: a percentile is given where that run alone filled the server's window
         for key, of in MODE_PERCENTILES.items():
             assert (st[key] is None) == (st[of] < STATS_WINDOW), (key, st)
+    check_machine_block(result)
 
 
 def test_serve_options_become_the_server_config() -> None:

@@ -21,7 +21,7 @@ from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig,
 from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, run_a_later_grpc_loop
+from tests.helpers import EchoPolicy, ServerThread, check_machine_block, run_a_later_grpc_loop
 
 HZ = 50.0
 BOTH_STREAMS = pytest.mark.parametrize("network_process", [False, True], ids=["thread", "process"])
@@ -532,6 +532,7 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     b = r["baseline_loop"]  # 4 robots in one slot, 25 slots in 0.5 s
     assert b["robots"] == 4 and 96 <= b["ticks"] <= 104
     assert 0.0 <= b["tick_jitter_ms_p50"] <= b["tick_jitter_ms_p99"] <= b["tick_jitter_ms_max"]
+    check_machine_block(r)
 
 
 def test_a_chunk_policy_cannot_feed_the_trainer() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
+from tests.helpers import check_machine_block
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -186,6 +187,7 @@ def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: 
     assert result["ratios"]["async/sync steps_per_s"] == pytest.approx(
         result["steps_per_s"] / result["sync"]["steps_per_s"], rel=1e-2
     )
+    check_machine_block(result)
 
 
 def test_a_run_that_cannot_start_writes_no_run_folder(tmp_path: Path) -> None:

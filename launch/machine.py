@@ -1,0 +1,86 @@
+"""What a benchmark ran on, and how fast the CPU was while it ran.
+
+The machines edgerl is measured on are shared, and their speed is not fixed: one day the
+same 32-row product with a 1040 x 1040 layer (the hidden layer of the ``mlp-large``
+preset) took 0.55 ms, another day 0.8-1.2 ms. The figures of two runs on such days do not
+compare. So every bench's JSON carries, under ``machine``, the time of that product before
+and after its runs (``gemm_32x1040_ms``): a reader can tell which runs came from the same
+kind of day, and whether the speed changed during one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+GEMM_ROWS = 32
+GEMM_WIDTH = 1040
+GEMM_REPEATS = 400
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (``/proc/cpuinfo``), else the platform's
+    word for the processor, else ``"unknown"``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:  # not Linux
+        pass
+    return platform.processor() or "unknown"
+
+
+def gemm_ms(repeats: int = GEMM_REPEATS) -> float:
+    """The median time, in milliseconds, of one ``[32, 1040] x [1040, 1040]`` product with a
+    bias (``torch.addmm``) on one thread: the ``mlp-large`` preset's hidden layer on the rows
+    of one sim worker's env group. Takes about ``repeats`` of them (0.2-0.5 s at 400); torch's
+    thread count is put back afterwards.
+
+    Raises:
+        ValueError: ``repeats`` is under 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(GEMM_ROWS, GEMM_WIDTH, generator=gen)
+        w = torch.randn(GEMM_WIDTH, GEMM_WIDTH, generator=gen)
+        b = torch.randn(GEMM_WIDTH, generator=gen)
+        out = torch.empty(GEMM_ROWS, GEMM_WIDTH)
+        for _ in range(min(repeats, 20)):  # warm: the weights into the cache, MKL's buffers made
+            torch.addmm(b, x, w, out=out)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            torch.addmm(b, x, w, out=out)
+            times.append(time.perf_counter_ns() - t0)
+        return round(statistics.median(times) / 1e6, 4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def gemm_line(ms: float) -> str:
+    """A progress line for a :func:`gemm_ms` timing."""
+    return f"machine: a {GEMM_ROWS}-row product with a {GEMM_WIDTH}-wide layer in {ms:.3f} ms (one thread)"
+
+
+def machine_info(**gemm: float) -> dict[str, Any]:
+    """The ``machine`` block of a bench's JSON: CPUs, their model, platform, Python, and the
+    :func:`gemm_ms` timings given by name (``before=..., after=...``)."""
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "gemm_32x1040_ms": gemm,
+    }

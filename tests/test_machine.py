@@ -1,0 +1,53 @@
+"""The ``machine`` block of the benches' JSON: what they ran on and how fast the CPU was."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgerl.launch import machine
+
+
+def test_gemm_ms_times_one_product_on_one_thread_and_puts_the_threads_back() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ms = machine.gemm_ms(repeats=50)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    # 32 x 1040 x 1040 multiply-adds: 0.01 ms would be 7 TFLOP/s on one core, 100 ms a tenth
+    # of a GFLOP/s. Outside, the figure is in the wrong unit.
+    assert 0.01 < ms < 100.0
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        machine.gemm_ms(repeats=0)
+
+
+def test_cpu_model_is_the_kernels_name_for_the_cpu() -> None:
+    model = machine.cpu_model()
+    if Path("/proc/cpuinfo").exists():
+        names = {
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        }
+        if names:
+            assert model in names
+            return
+    assert model  # elsewhere: the platform's word, or "unknown"
+
+
+def test_machine_info_holds_the_timings_given() -> None:
+    info = machine.machine_info(before=0.5, after=0.75)
+    assert info["gemm_32x1040_ms"] == {"before": 0.5, "after": 0.75}
+    assert info["cpus"] == os.cpu_count()
+    assert info["platform"] == platform.platform()
+    assert info["python"] == sys.version.split()[0]
+    assert info["cpu_model"] == machine.cpu_model()
+    assert json.loads(json.dumps(info, allow_nan=False)) == info  # standard JSON as it stands
