@@ -14,7 +14,7 @@ import torch
 from edgerl.launch import machine
 
 
-def test_gemm_ms_times_one_product_on_one_thread_and_puts_the_threads_back() -> None:
+def test_gemm_ms_is_in_milliseconds_and_puts_torchs_thread_count_back() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
