@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from edgerl.launch.machine import gemm_line, gemm_ms, machine_info
+from edgerl.launch.machine import SpeedProbe
 from edgerl.launch.train import RunConfig, run_training
 
 
@@ -39,8 +39,7 @@ def run(
     """Train ``seeds`` seeds (async, and sync too if ``with_sync``); returns the JSON summary."""
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
-    gemm_before = gemm_ms()
-    progress(gemm_line(gemm_before))
+    probe = SpeedProbe.start(progress)
     base = cfg.run_dir or f"runs/bench-learn-{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     modes = ["async", "sync"] if with_sync else ["async"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -70,7 +69,7 @@ def run(
             "async/sync steps_per_s": round(out["steps_per_s"] / sync["steps_per_s"], 3),
             "async/sync wall_s": round(out["wall_s"] / sync["wall_s"], 3),
         }
-    out["machine"] = machine_info(before=gemm_before, after=gemm_ms())
+    out["machine"] = probe.machine()
     out["unix_time"] = int(time.time())
     return out
 

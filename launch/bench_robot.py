@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import gemm_line, gemm_ms, machine_info
+from edgerl.launch.machine import SpeedProbe
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -287,8 +287,7 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
 def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready report."""
     configure_logging(cfg.log_level)
-    gemm_before = gemm_ms()
-    progress(gemm_line(gemm_before))
+    probe = SpeedProbe.start(progress)
     baseline = None
     if cfg.baseline_s > 0:
         progress(f"baseline: {cfg.robots // cfg.processes} robots in a plain loop for {cfg.baseline_s:g}s")
@@ -334,7 +333,7 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         fleet.stop()
         server.stop()
         spare.stop()
-    report["machine"] = machine_info(before=gemm_before, after=gemm_ms())
+    report["machine"] = probe.machine()
     return report
 
 

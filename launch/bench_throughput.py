@@ -25,7 +25,7 @@ import numpy as np
 
 from edgerl.edge_server.batcher import STATS_WINDOW
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import gemm_line, gemm_ms, machine_info
+from edgerl.launch.machine import SpeedProbe
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -364,8 +364,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
     stream_stats: dict[str, dict[str, Any]] = {}
-    gemm_before = gemm_ms()
-    progress(gemm_line(gemm_before))
+    probe = SpeedProbe.start(progress)
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
     cfg = cfg.placed(first[1], first[2], inference_cpus())
@@ -417,7 +416,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         **{f"server_{mode}": stream_stats.get(mode, {}) for mode in STREAM_MODES},
-        "machine": machine_info(before=gemm_before, after=gemm_ms()),
+        "machine": probe.machine(),
         "unix_time": int(time.time()),
     }
 

@@ -15,6 +15,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 GEMM_ROWS = 32
@@ -69,18 +71,33 @@ def gemm_ms(repeats: int = GEMM_REPEATS) -> float:
         torch.set_num_threads(threads)
 
 
-def gemm_line(ms: float) -> str:
-    """A progress line for a :func:`gemm_ms` timing."""
-    return f"machine: a {GEMM_ROWS}-row product with a {GEMM_WIDTH}-wide layer in {ms:.3f} ms (one thread)"
-
-
-def machine_info(**gemm: float) -> dict[str, Any]:
+def machine_info(before: float, after: float) -> dict[str, Any]:
     """The ``machine`` block of a bench's JSON: CPUs, their model, platform, Python, and the
-    :func:`gemm_ms` timings given by name (``before=..., after=...``)."""
+    :func:`gemm_ms` timings ``before`` and ``after`` the bench's runs."""
     return {
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-        "gemm_32x1040_ms": gemm,
+        "gemm_32x1040_ms": {"before": before, "after": after},
     }
+
+
+@dataclass(frozen=True)
+class SpeedProbe:
+    """The machine's speed around a bench: :meth:`start` times the product before its runs,
+    :meth:`machine` again after them, and gives the JSON's ``machine`` block."""
+
+    before_ms: float
+
+    @classmethod
+    def start(cls, progress: Callable[[str], None]) -> SpeedProbe:
+        """Time the product now, and say so through ``progress``."""
+        ms = gemm_ms()
+        what = f"a {GEMM_ROWS}-row product with a {GEMM_WIDTH}-wide layer"
+        progress(f"machine: {what} in {ms:.3f} ms (one thread)")
+        return cls(ms)
+
+    def machine(self) -> dict[str, Any]:
+        """:func:`machine_info` with the time taken at :meth:`start` and one taken now."""
+        return machine_info(before=self.before_ms, after=gemm_ms())
