@@ -53,6 +53,13 @@ def no_wakeup_preemption(tid: int = 0) -> None:
 def idle_priority() -> None:
     """Put every thread of this process, and those started from now on, under the SCHED_IDLE
     policy: they run only on CPU time no other thread wants."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no SCHED_IDLE (not Linux)
+    try:
         policy, param = os.SCHED_IDLE, os.sched_param(0)
-        for_each_thread(lambda tid: os.sched_setscheduler(tid, policy, param))
+    except AttributeError:  # not Linux
+        return
+
+    def idle(tid: int) -> None:  # one thread refusing leaves the others to be set
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(tid, policy, param)
+
+    for_each_thread(idle)
