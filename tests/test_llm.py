@@ -247,9 +247,11 @@ def test_edgerl_train_llm_moves_the_return_and_resumes_into_the_engine(
     run_dir = tmp_path / "run"
     args = ["--policy", "llm", "--model", str(model_dir), "--env", "InvertedPendulum-v5"]
     args += ["--run-dir", str(run_dir)]
-    summary = _train([*args, "--steps", "24000"], tmp_path / "first.json")
+    summary = _train([*args, "--steps", "32000"], tmp_path / "first.json")
     # Random play scores 5.2 per episode (std 3.6); the mean of 20 random episodes is
-    # above 8.9 with probability < 1e-4. 24k steps take it to ~20.
+    # above 8.9 with probability < 1e-4. 32k steps take it to 24-32 (three runs; the
+    # mean of the last 20 episodes moves by ~2 between updates). At 24k it reached
+    # 15-20, and once in CI 11.6: too close to the bar below.
     assert summary["return_first20"] < 8.9, summary
     assert summary["return_last20"] >= 12.0, summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -264,7 +266,7 @@ def test_edgerl_train_llm_moves_the_return_and_resumes_into_the_engine(
 
     # --resume: the server starts the engine on the checkpoint's weights and version, so the
     # first episodes already score like the last ones (a fresh engine would score ~5).
-    again = _train([*args, "--steps", "26000", "--resume"], tmp_path / "again.json")
+    again = _train([*args, "--steps", "34000", "--resume"], tmp_path / "again.json")
     assert again["policy_version"] == again["updates"] > summary["updates"]  # versions continue
     assert again["return_first20"] >= 10.0, again
 
