@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,69 @@ def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path: Path) -> N
         read_checkpoint(str(tmp_path / "run"))  # edgerl serve / rollout --checkpoint
     with pytest.raises(ValueError, match="could run code when read: refused"):
         Trainer(trainer.config, build_policy("mlp-small", 17, 6), "unused:0", tmp_path / "run", resume=True)
+    assert not marker.exists()
+
+
+def _as_numpy(value: Any) -> Any:
+    """``value`` with every tensor a numpy array and every int a numpy int64: what a checkpoint
+    written or edited with numpy holds."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return np.int64(value)
+    if isinstance(value, dict):
+        return {key: _as_numpy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_as_numpy(item) for item in value)
+    return value
+
+
+def _rewrite_pickle(path: Path, old: bytes, new: bytes) -> None:
+    """Replaces ``old`` by ``new`` in the pickle of the torch.save archive at ``path`` (one that
+    holds no tensors, whose records then need no alignment)."""
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    (pickled,) = [name for name in entries if name.endswith("/data.pkl")]
+    assert old in entries[pickled]
+    entries[pickled] = entries[pickled].replace(old, new)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
+@pytest.mark.parametrize("numpy_names", ["numpy 2", "numpy 1"])
+def test_a_checkpoint_holding_numpy_values_serves_and_resumes(tmp_path: Path, numpy_names: str) -> None:
+    trainer = _trained(tmp_path / "run", run_info=RUN_INFO)
+    newest = read_checkpoint(str(tmp_path / "run")).path
+    payload = torch.load(newest, weights_only=True)
+    torch.save(_as_numpy(payload), newest)
+    if numpy_names == "numpy 1":  # numpy 1 pickled its arrays and scalars from numpy.core
+        _rewrite_pickle(Path(newest), b"numpy._core.multiarray", b"numpy.core.multiarray")
+    info = read_checkpoint(str(tmp_path / "run"))
+    assert (info.version, info.env, info.obs_dim, info.act_dim) == (2, "HalfCheetah-v5", 17, 6)
+
+    resumed = Trainer(
+        trainer.config, build_policy("mlp-small", 17, 6), "unused:0", tmp_path / "run", resume=True
+    )
+    assert resumed.state == trainer.state and type(resumed.state.version) is int
+    trained = trainer.policy.module.state_dict()
+    for name, weight in resumed.policy.module.state_dict().items():
+        torch.testing.assert_close(weight, trained[name], rtol=0, atol=0, msg=name)
+    backend, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp-small", checkpoint=newest))
+    try:
+        assert backend.version == 2
+    finally:
+        backend.close()
+
+
+def test_an_object_array_holding_code_is_still_refused_unread(tmp_path: Path) -> None:
+    _trained(tmp_path / "run", run_info=RUN_INFO)
+    newest = read_checkpoint(str(tmp_path / "run")).path
+    payload = torch.load(newest, weights_only=True)
+    marker = tmp_path / "ran"
+    torch.save({**payload, "extra": np.array([_RunsCode(marker)], dtype=object)}, newest)
+    with pytest.raises(ValueError, match=r"GLOBAL .*could run code when read: refused$"):
+        read_checkpoint(str(tmp_path / "run"))
     assert not marker.exists()
 
 

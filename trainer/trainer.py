@@ -448,6 +448,10 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
     tensors and plain values only, so that a checkpoint from elsewhere runs no code when read.
     With ``kind`` (``"mlp"`` or ``"llm"``), checked to hold a policy of that kind.
 
+    numpy values, which a checkpoint written or edited by other tools may hold, read as well
+    (numpy 1's and 2's pickles): arrays of numbers as tensors, numpy scalars as Python numbers,
+    so that they load like the trainer's own checkpoints. Arrays of other dtypes stay arrays.
+
     With ``mmap``, the tensors are mapped from the file rather than read: a reader that needs a
     few fields, or the policy's weights only, reads just those pages, not the optimizer state
     (two thirds of a trainer checkpoint). The file must then stay unchanged while they are used.
@@ -459,7 +463,8 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
     if Path(path).is_file() and not zipfile.is_zipfile(path):  # torch.save has written zips since 1.6
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint (not a torch.save zip archive)")
     try:
-        payload = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            payload = _from_numpy(torch.load(path, weights_only=True, map_location="cpu", mmap=mmap))
     except pickle.UnpicklingError as exc:
         reason = _unpickler_reason(str(exc))
         if "GLOBAL" in reason:  # a class or function to import and call: nothing of a checkpoint's
@@ -476,6 +481,43 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
     if kind and found != kind:
         raise ValueError(f"checkpoint {path}: holds a {found} policy, not a {kind} policy")
     return payload
+
+
+def _numpy_globals() -> list[Any]:
+    """What numpy's pickles of arrays, scalars and dtypes call: they build numbers from bytes and
+    run no code of the file's choosing (an object array's items go through the same unpickler).
+    numpy 1 wrote ``numpy.core``, numpy 2 writes ``numpy._core``: both names are taken."""
+    from numpy import dtypes
+    from numpy._core.multiarray import _reconstruct, scalar
+
+    dtype_classes = [getattr(dtypes, name) for name in dtypes.__all__ if name.endswith("DType")]
+    return [
+        scalar,
+        _reconstruct,
+        (scalar, "numpy.core.multiarray.scalar"),
+        (_reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        *dtype_classes,
+    ]
+
+
+def _from_numpy(value: Any) -> Any:
+    """``value`` with numpy arrays of numbers as tensors and numpy scalars as Python numbers, in
+    dicts, lists and tuples at any depth. Dicts and lists are changed in place, so that they keep
+    their type and attributes (a state dict's ``_metadata``)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            value[key] = _from_numpy(item)
+    elif isinstance(value, list):
+        value[:] = [_from_numpy(item) for item in value]
+    elif isinstance(value, tuple):
+        return tuple(_from_numpy(item) for item in value)
+    return value
 
 
 _TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "(1)", "(2)")
