@@ -44,6 +44,7 @@ from rosbags.typesys.store import Typestore
 
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.robot_client import errors
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,7 @@ def read_bag(path: str | Path) -> dict[str, list[BagTick]]:
                 _, _, robot, kind = conn.topic.split("/", 3)
                 parts[robot][t_ns][kind] = store.deserialize_cdr(raw, conn.msgtype)
     except ReaderError as exc:  # its metadata or storage files missing or broken
-        reason = (str(exc).strip().splitlines() or ["unreadable"])[0]
-        raise ValueError(f"bag {path}: cannot be read ({reason})") from None
+        raise ValueError(f"bag {path}: cannot be read ({errors.first_line(exc, 'unreadable')})") from None
     out: dict[str, list[BagTick]] = {}
     for robot, by_time in parts.items():
         ticks = []

@@ -120,3 +120,9 @@ def from_code(code_name: str, details: str) -> EdgeRLError:
         return _NOT_RPC[code_name](details)
     code = grpc.StatusCode[code_name] if code_name in grpc.StatusCode.__members__ else grpc.StatusCode.UNKNOWN
     return _BY_CODE.get(code, RpcError)(details, code)
+
+
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of ``exc``'s message, for a one-line error that names it; ``default`` (else
+    the exception's class name) when the message is empty."""
+    return (str(exc).strip().splitlines() or [default or type(exc).__name__])[0]

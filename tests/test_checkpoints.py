@@ -110,6 +110,14 @@ def test_paths_that_hold_no_checkpoint_say_so(tmp_path: Path) -> None:
         ValueError, match=r"cut\.pt: not a trainer checkpoint \(not a torch.save zip archive\)$"
     ):
         read_checkpoint(str(cut))
+    other_zip = tmp_path / "notes.zip"  # a zip, but not torch.save's: torch's first line says why
+    with zipfile.ZipFile(other_zip, "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint\n")
+    with pytest.raises(
+        ValueError,
+        match=r"notes\.zip: not a trainer checkpoint \(\[enforce fail .* in a subdirectory: notes\.txt\)$",
+    ):
+        read_checkpoint(str(other_zip))
     weights_only = tmp_path / "weights.pt"
     torch.save(build_policy("mlp-small", 17, 6).state_dict(), weights_only)
     with pytest.raises(

@@ -474,7 +474,7 @@ def load_payload(path: str | Path, kind: str = "", *, mmap: bool = False) -> dic
             ) from None
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({reason})") from None
     except (RuntimeError, EOFError, OSError) as exc:  # a zip, but not torch's, or broken inside
-        raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({_first_line(exc)})") from None
+        raise ValueError(f"checkpoint {path}: not a trainer checkpoint ({errors.first_line(exc)})") from None
     if not isinstance(payload, dict) or "policy" not in payload or "state" not in payload:
         raise ValueError(f"checkpoint {path}: not a trainer checkpoint (no policy weights and state)")
     found = payload.get("kind", "mlp")
@@ -530,10 +530,6 @@ def _unpickler_reason(message: str) -> str:
         line for line in lines if line and not line.startswith(_TORCH_ADVICE)
     ]
     return found[0].split(" was not")[0].removesuffix(".") if found else "unreadable"
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
