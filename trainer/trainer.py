@@ -13,9 +13,7 @@ synchronous mode, by design.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
 import pickle
 import socket
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgerl.launch import jsonout
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -133,8 +132,7 @@ class MetricsLog:
     def write(self, step: int, scalars: dict[str, float]) -> None:
         """One line of ``scalars`` at ``step``. A non-finite value (the explained variance of
         returns that do not vary) is ``null`` in the file, which stays standard JSON."""
-        finite = {k: v if math.isfinite(v) else None for k, v in scalars.items()}
-        self._jsonl.write(json.dumps({"global_step": step, "time": time.time(), **finite}) + "\n")
+        self._jsonl.write(jsonout.dumps({"global_step": step, "time": time.time(), **scalars}) + "\n")
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
