@@ -8,8 +8,8 @@ import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -115,6 +115,18 @@ async def act_once(
         answer = await stream.recv()
         await stream.close()
         return answer
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:
+    """Calls ``condition`` every ``poll_s`` until it returns a true value or ``timeout_s`` passed,
+    and returns its last value: the caller asserts on it, or on what the wait was for."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return value
 
 
 def free_port() -> int:

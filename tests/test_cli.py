@@ -22,7 +22,7 @@ from edgerl.launch.processes import fleet_groups
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, check_machine_block, free_port
+from tests.helpers import EchoPolicy, ServerThread, act_once, check_machine_block, free_port, wait_until
 
 EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 
@@ -439,10 +439,7 @@ def _terminated(args: list[str], tmp_path: Path, ready: Callable[[str, str], boo
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-        deadline = time.monotonic() + 10
-        while _in_group(proc.pid) and time.monotonic() < deadline:  # reaped by init, if orphaned
-            time.sleep(0.1)
-        assert _in_group(proc.pid) == []
+        assert wait_until(lambda: not _in_group(proc.pid), timeout_s=10), _in_group(proc.pid)  # init reaps
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

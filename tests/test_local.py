@@ -25,7 +25,7 @@ from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.keeper import StreamSettings
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server
+from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server, wait_until
 
 OBS, ACT = 3, 2
 _Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -417,12 +417,12 @@ def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: P
         time.sleep(0.5)  # no server yet: the worker retries
         assert worker.progress.steps == 0
         with ServerThread(_pendulum_backend(), local_socket=path) as server:
-            _wait_for(lambda: worker.progress.steps > 500)
+            assert wait_until(lambda: worker.progress.steps > 500, timeout_s=30.0, poll_s=0.02)
             server.kill()
             time.sleep(0.3)
             before = worker.progress.steps
             server.restart()
-            _wait_for(lambda: worker.progress.steps > before + 500)
+            assert wait_until(lambda: worker.progress.steps > before + 500, timeout_s=30.0, poll_s=0.02)
     finally:
         stop.set()
         thread.join(30)
@@ -462,18 +462,10 @@ def test_worker_end_reassembles_answers_longer_than_one_read(tmp_path: Path) -> 
             end.close()
 
 
-def _next_frame(end: _LocalEnd, timeout_s: float = 10.0) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    while not (payload := end.receive(0.1)):
-        assert time.monotonic() < deadline, "no frame"
+def _next_frame(end: _LocalEnd) -> bytes:
+    payload = wait_until(lambda: end.receive(0.1), timeout_s=10.0, poll_s=0.0)  # receive waits
+    assert payload, "no frame within 10 s"
     return payload
-
-
-def _wait_for(condition: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_sim_worker_fails_on_a_refusal_and_on_a_late_answer(tmp_path: Path) -> None:

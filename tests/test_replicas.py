@@ -19,7 +19,7 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import PolicySpec, ServerProcess, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import ServerThread, act_once, slow_pid_echo
+from tests.helpers import ServerThread, act_once, slow_pid_echo, wait_until
 
 OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
 
@@ -154,7 +154,8 @@ def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str)
     finally:
         server.stop()
     assert proc.exitcode == 0  # it closed its backend and ended, not killed by the signal
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{r}").exists() for r in replicas) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [r for r in replicas if Path(f"/proc/{r}").exists()]
+
+    def alive() -> list[int]:
+        return [r for r in replicas if Path(f"/proc/{r}").exists()]
+
+    assert wait_until(lambda: not alive(), timeout_s=10), alive()

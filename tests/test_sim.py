@@ -24,7 +24,7 @@ from edgerl.launch.processes import (
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
 from edgerl.watchdog.sched import thread_ids
-from tests.helpers import EchoPolicy, free_port, run, running_server
+from tests.helpers import EchoPolicy, free_port, run, running_server, wait_until
 
 
 def test_same_seed_same_trajectory() -> None:
@@ -207,9 +207,7 @@ def test_a_backfill_worker_steps_its_envs_at_idle_priority_and_is_not_waited_for
             fleet.wait_started()
             pids = fleet.pids
             main_policy, backfill_policy = (os.sched_getscheduler(p) for p in pids)
-            deadline = time.monotonic() + 60.0
-            while min(fleet.worker_steps()) < 200 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: min(fleet.worker_steps()) >= 200, timeout_s=60.0)
             t0, steps0 = time.monotonic(), fleet.worker_steps()[0]
             time.sleep(1.0)
             rate = (fleet.worker_steps()[0] - steps0) / (time.monotonic() - t0)
@@ -242,9 +240,7 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
             fleet.wait_started()
             # a random policy drops the pendulum in ~10 steps: 30,000 steps make thousands of
             # episodes (4 s on the fast machine, and as long as it takes on a slow one)
-            deadline = time.monotonic() + 60.0
-            while fleet.total_steps() < 30_000 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: fleet.total_steps() >= 30_000, timeout_s=60.0)
             t0 = time.monotonic()
         took = time.monotonic() - t0
     assert fleet.failed() == []  # it exited by itself, not killed
