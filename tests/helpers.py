@@ -199,6 +199,8 @@ class ServerThread:
         self.kill()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> ServerThread:
         return self.start()

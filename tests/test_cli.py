@@ -585,29 +585,29 @@ def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -
 
 
 def test_edgerl_serve_prints_what_it_did_every_stats_interval() -> None:
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [*EDGERL, "serve", "--port", "0", "--stats-every-s", "0.5"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        first, _ = proc.stdout.readline(), proc.stdout.readline()
-        address = first.split()[-1]
-        obs = np.zeros((4, 17), np.float32)  # one step of 4 HalfCheetah envs per stream
-        for _ in range(3):
-            asyncio.run(act_once(address, obs))
-        # a tick may fall between a stream's opening and its step: a line with streams, no rows
-        lines = [proc.stdout.readline().strip()]
-        while "rows each" not in lines[-1] and len(lines) < 4:
-            lines.append(proc.stdout.readline().strip())
-        pattern = r"edgerl: [01] stream\(s\), [\d,]+ rows/s in [\d,]+ batches/s{}, policy version 0"
-        for line in lines[:-1]:
-            assert re.fullmatch(pattern.format(""), line), lines
-        # every stream sent one step of 4 rows, alone: 4 rows a batch
-        each = r" \(4\.0 rows each\), queue wait p99 [\d.]+ ms, inference p50 [\d.]+ ms"
-        assert re.fullmatch(pattern.format(each), lines[-1]), lines
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            first, _ = proc.stdout.readline(), proc.stdout.readline()
+            address = first.split()[-1]
+            obs = np.zeros((4, 17), np.float32)  # one step of 4 HalfCheetah envs per stream
+            for _ in range(3):
+                asyncio.run(act_once(address, obs))
+            # a tick may fall between a stream's opening and its step: a line with streams, no rows
+            lines = [proc.stdout.readline().strip()]
+            while "rows each" not in lines[-1] and len(lines) < 4:
+                lines.append(proc.stdout.readline().strip())
+            pattern = r"edgerl: [01] stream\(s\), [\d,]+ rows/s in [\d,]+ batches/s{}, policy version 0"
+            for line in lines[:-1]:
+                assert re.fullmatch(pattern.format(""), line), lines
+            # every stream sent one step of 4 rows, alone: 4 rows a batch
+            each = r" \(4\.0 rows each\), queue wait p99 [\d.]+ ms, inference p50 [\d.]+ ms"
+            assert re.fullmatch(pattern.format(each), lines[-1]), lines
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0
 
 
 def test_bench_throughput_gives_the_llm_policy_one_env_group_per_replica() -> None:

@@ -245,6 +245,31 @@ def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:
     assert any(not torch.equal(p, q) for p, q in zip(params, moved, strict=True))
 
 
+def test_a_trainer_opens_its_metrics_log_only_for_a_run(tmp_path: Path) -> None:
+    """Built and updated without :meth:`Trainer.run` (as a library user or a test does), a
+    trainer holds no open metrics file nor TensorBoard writer (whose thread would outlive it)."""
+    import gc
+    import warnings
+
+    run_dir = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(
+            TrainerConfig(batch_steps=N, minibatch_size=16, epochs=1),
+            build_policy("mlp-small", OBS, ACT),
+            "unused:0",
+            run_dir,
+        )
+        trainer.update(random_batch(np.random.default_rng(0), N, OBS, ACT))
+        del trainer
+        gc.collect()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "tb").exists()  # tb: the writer's
+    unclosed = [
+        str(w.message) for w in caught if w.category is ResourceWarning and str(run_dir) in str(w.message)
+    ]
+    assert not unclosed, unclosed
+
+
 def test_metrics_lines_are_standard_json_with_non_finite_values_as_null(tmp_path: Path) -> None:
     import json
 

@@ -34,13 +34,18 @@ async def _one_step(address: str, name: str, after_s: float) -> tuple[float, flo
 def test_replicas_answer_the_batches_of_two_streams_side_by_side() -> None:
     backend = ReplicatedBackend(slow_pid_echo, 2)  # each batch takes 1 s
     assert (backend.name, backend.pipeline_depth, backend.replicas) == ("echo-x2", 2, 2)
-    with ServerThread(backend) as srv:
+    try:
+        with ServerThread(backend) as srv:
 
-        async def both() -> tuple[tuple[float, float], tuple[float, float]]:
-            return await asyncio.gather(_one_step(srv.address, "a", 0.0), _one_step(srv.address, "b", 0.3))
+            async def both() -> tuple[tuple[float, float], tuple[float, float]]:
+                return await asyncio.gather(
+                    _one_step(srv.address, "a", 0.0), _one_step(srv.address, "b", 0.3)
+                )
 
-        t0 = time.monotonic()
-        answers = asyncio.run(both())
+            t0 = time.monotonic()
+            answers = asyncio.run(both())
+    finally:  # the server stops; the backend (its replica processes) is ours
+        backend.close()
     pids = {pid for pid, _ in answers}
     assert len(pids) == 2 and os.getpid() not in pids  # two replica processes answered
     # side by side: both within 1.3 s of batches and a margin, where one after the other takes 2 s
@@ -104,33 +109,33 @@ def test_a_replica_that_dies_is_dropped_and_one_that_cannot_build_fails_the_star
 
 
 def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "edgerl.launch.cli", "serve", "--port", "0", "--replicas", "2"],
         stdout=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # "edgerl: serving HalfCheetah-v5 on 127.0.0.1:PORT"
-        assert "serving HalfCheetah-v5 on" in line, line
-        address = line.split()[-1]
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(children) == 2  # one process per replica
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # "edgerl: serving HalfCheetah-v5 on 127.0.0.1:PORT"
+            assert "serving HalfCheetah-v5 on" in line, line
+            address = line.split()[-1]
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            assert len(children) == 2  # one process per replica
 
-        async def act() -> tuple[str, Any]:
-            async with EdgeClient(address, timeout_s=30.0) as c:
-                backend = (await c.describe()).backend
-            return backend, await act_once(address, OBS, session_id="x")
+            async def act() -> tuple[str, Any]:
+                async with EdgeClient(address, timeout_s=30.0) as c:
+                    backend = (await c.describe()).backend
+                return backend, await act_once(address, OBS, session_id="x")
 
-        backend, answer = asyncio.run(act())
-        assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            backend, answer = asyncio.run(act())
+            assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+            assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _children(pid: int) -> list[int]:

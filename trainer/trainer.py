@@ -207,7 +207,7 @@ class Trainer:
             if path is None:
                 raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / CHECKPOINT_DIR}")
             self.load_checkpoint(path)
-        self.metrics = MetricsLog(self.run_dir, tensorboard)
+        self.tensorboard = tensorboard
         self.feed: TransitionFeed | None = None
         self._channel: grpc.Channel | None = None
         self.history: list[dict[str, float]] = []
@@ -234,6 +234,7 @@ class Trainer:
             trainer_id=f"{socket.gethostname()}/{os.getpid()}",
             security=self.security,
         ).start()
+        metrics = MetricsLog(self.run_dir, self.tensorboard)  # the run's: closed at its end
         start = time.monotonic() - self.state.wall_s
         last_t, last_received = time.monotonic(), 0
         try:
@@ -266,7 +267,7 @@ class Trainer:
                 scalars.update(self._server_counters(policy_stub))
                 last_t, last_received = now, feed.received_steps
                 self.state.wall_s = now - start
-                self.metrics.write(self.state.env_steps, scalars)
+                metrics.write(self.state.env_steps, scalars)
                 self.history.append(scalars)
                 if on_update is not None:
                     on_update(scalars)
@@ -277,7 +278,7 @@ class Trainer:
             self._channel.close()
             if self.state.updates:
                 self.save_checkpoint()
-            self.metrics.close()
+            metrics.close()
         return self.state
 
     def _server_counters(self, stub: pb_grpc.EdgePolicyStub) -> dict[str, float]:
