@@ -104,7 +104,13 @@ def test_policy_actions_reach_every_robot_in_time(network_process: bool) -> None
         # applies the answer to the previous tick's observation, taken after count applies.
         applied = np.array(r.applied[5:])
         np.testing.assert_allclose(applied[:, 1], r.rid)
-        np.testing.assert_allclose(applied[:, 0], np.arange(5, 5 + len(applied)))
+        counts, ticks = applied[:, 0], np.arange(5, 5 + len(applied))
+        # In order, and never an answer to an observation not yet taken. A fallback holds the
+        # last action (its count lags), and the answer it stood in for may apply a tick late:
+        # each fallback puts at most two ticks off their count (CI once saw 2 off, max lag 2).
+        assert np.all(np.diff(counts) >= 0) and np.all(counts <= ticks), counts
+        off = int(np.sum(counts != ticks))
+        assert off <= 2 * s["fallbacks"], (off, s, counts)
 
 
 @BOTH_STREAMS
