@@ -149,6 +149,8 @@ class ServerThread:
     """A real edge server on its own event-loop thread, for tests whose clients block.
 
     ``kill()`` stops it at once (no grace) and ``restart()`` brings it back on the same port.
+    It owns its backend, as ``edgerl serve`` does: ``close()`` (the end of a ``with``) stops the
+    server, then closes the backend (its replica processes, its engine thread).
     """
 
     def __init__(self, backend: PolicyBackend, env_name: str = "", **config: object) -> None:
@@ -196,14 +198,23 @@ class ServerThread:
         self.start()
 
     def close(self) -> None:
-        self.kill()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self._loop.close()
+        if self._loop.is_closed():
+            return
+        try:
+            self.kill()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+            self.backend.close()
 
     def __enter__(self) -> ServerThread:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -71,11 +71,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Any:
     backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, instruction="balance", seed=0)
-    try:
-        with ServerThread(backend, learner=TransitionConfig()) as srv:
-            yield srv
-    finally:  # the server stops; the backend (its engine thread, its weights folder) is ours
-        backend.close()
+    with ServerThread(backend, learner=TransitionConfig()) as srv:  # closes the engine at the end
+        yield srv
 
 
 def _recompute(model: Any, codec: ObsActionCodec, obs: np.ndarray, actions: np.ndarray) -> np.ndarray:

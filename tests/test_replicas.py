@@ -34,22 +34,19 @@ async def _one_step(address: str, name: str, after_s: float) -> tuple[float, flo
 def test_replicas_answer_the_batches_of_two_streams_side_by_side() -> None:
     backend = ReplicatedBackend(slow_pid_echo, 2)  # each batch takes 1 s
     assert (backend.name, backend.pipeline_depth, backend.replicas) == ("echo-x2", 2, 2)
-    try:
-        with ServerThread(backend) as srv:
+    with ServerThread(backend) as srv:  # which closes the backend (its replica processes) at the end
 
-            async def both() -> tuple[tuple[float, float], tuple[float, float]]:
-                return await asyncio.gather(
-                    _one_step(srv.address, "a", 0.0), _one_step(srv.address, "b", 0.3)
-                )
+        async def both() -> tuple[tuple[float, float], tuple[float, float]]:
+            return await asyncio.gather(_one_step(srv.address, "a", 0.0), _one_step(srv.address, "b", 0.3))
 
-            t0 = time.monotonic()
-            answers = asyncio.run(both())
-    finally:  # the server stops; the backend (its replica processes) is ours
-        backend.close()
+        t0 = time.monotonic()
+        answers = asyncio.run(both())
     pids = {pid for pid, _ in answers}
     assert len(pids) == 2 and os.getpid() not in pids  # two replica processes answered
     # side by side: both within 1.3 s of batches and a margin, where one after the other takes 2 s
     assert max(t for _, t in answers) - t0 < 1.9
+    with pytest.raises(ReplicaError, match="closed"):  # the server's end closed its backend
+        backend.infer(np.ones((3, 4), np.float32))
 
 
 def test_replicas_sample_their_own_noise_and_take_weights_together() -> None:
