@@ -313,21 +313,33 @@ class _ThreadOutbox(_Outbox):
 
     def __init__(self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock) -> None:
         super().__init__(links, settings, clock)
-        self._loop = precise_event_loop()
         self._keeper = StreamKeeper(settings, _obs_rows, self._up, self._down, self._answer)
+        # made by open(), closed by close(): a host built but never started holds no loop
+        self._loop_or_none: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop_or_none is None:
+            raise RuntimeError("the stream is not open")
+        return self._loop_or_none
+
     def open(self) -> None:
+        self._loop_or_none = precise_event_loop()
         self._task = self._loop.create_task(self._keeper.run())
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        loop = self._loop_or_none
+        if loop is None:
             return
         self._keeper.stopping.set()
-        if self._task is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                self._loop.run_until_complete(asyncio.wait_for(self._task, 5.0))
-        self._loop.close()
+        try:
+            if self._task is not None:  # answers still coming in may call later() meanwhile
+                with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                    loop.run_until_complete(asyncio.wait_for(self._task, 5.0))
+        finally:
+            loop.close()
+            self._loop_or_none = None
 
     def after_slot(self) -> None:
         self.flush()
