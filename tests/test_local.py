@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import stat
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +55,18 @@ async def _read(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(n)
 
 
-async def _open(path: str, settings: bytes | None = None) -> _Stream:
-    """A local stream the server accepted (its ``U`` frame read)."""
+@contextlib.asynccontextmanager
+async def _connected(path: str, settings: bytes | None = None, greet: bool = True) -> AsyncIterator[_Stream]:
+    """A connection to the local socket, closed at the end; with ``greet``, a stream the server
+    accepted (``settings`` sent, its ``U`` frame read)."""
     reader, writer = await asyncio.open_unix_connection(path)
-    writer.write(_settings() if settings is None else settings)
-    assert (await _read(reader))[:1] == frames.UP
-    return reader, writer
+    try:
+        if greet:
+            writer.write(_settings() if settings is None else settings)
+            assert (await _read(reader))[:1] == frames.UP
+        yield reader, writer
+    finally:
+        writer.close()
 
 
 async def _ask(stream: _Stream, ids: list[int], epoch: int = 1) -> frames.AnswerRows:
@@ -86,8 +94,7 @@ def test_local_stream_answers_every_frame_in_order_from_its_own_rows(tmp_path: P
         backend = EchoPolicy(OBS, ACT)
         backend.version = 5
         path = str(tmp_path / "act.sock")
-        async with running_server(backend, local_socket=path) as server:
-            reader, writer = await _open(path)
+        async with running_server(backend, local_socket=path) as server, _connected(path) as (reader, writer):
             sent = [_rows([0, 1]), _rows([2, 3]), _rows([0, 1], np.full((2, OBS), -1, np.float32))]
             for rows in sent:  # all in flight at once: answered in the order sent
                 writer.write(frames.encode_obs(7, rows))
@@ -115,8 +122,11 @@ def test_local_stream_reassembles_frames_longer_than_one_read(tmp_path: Path) ->
 
     async def main() -> None:
         path = str(tmp_path / "act.sock")
-        async with running_server(EchoPolicy(obs_size, ACT), local_socket=path) as server:
-            reader, writer = await _open(path, _settings(num_envs=64, obs_shape=[obs_size]))
+        settings = _settings(num_envs=64, obs_shape=[obs_size])
+        async with (
+            running_server(EchoPolicy(obs_size, ACT), local_socket=path) as server,
+            _connected(path, settings) as (reader, writer),
+        ):
             rng = np.random.default_rng(0)
             shape = (rows_per_frame, obs_size)
             sent = [
@@ -137,7 +147,6 @@ def test_local_stream_reassembles_frames_longer_than_one_read(tmp_path: Path) ->
                 answer = frames.decode_answer(await _read(reader))
                 np.testing.assert_array_equal(answer.actions, answered.obs[:, :ACT])
             assert server.batcher.stats.rows == 4 * rows_per_frame
-            writer.close()
 
     run(main())
 
@@ -146,8 +155,10 @@ def test_local_and_grpc_streams_share_the_batcher(tmp_path: Path) -> None:
     async def main() -> None:
         backend = EchoPolicy(OBS, ACT, delay_s=0.2)
         path = str(tmp_path / "act.sock")
-        async with running_server(backend, local_socket=path, max_delay_us=100_000) as server:
-            stream = await _open(path)
+        async with (
+            running_server(backend, local_socket=path, max_delay_us=100_000) as server,
+            _connected(path) as stream,
+        ):
             grpc_answer = asyncio.ensure_future(act_once(f"127.0.0.1:{server.port}", _rows([0, 1]).obs))
             while server.batcher.queued_rows < 2:  # it waits for the local stream, also open
                 await asyncio.sleep(0.005)
@@ -164,16 +175,17 @@ def test_an_idle_backfill_stream_is_not_waited_for_over_either_transport(tmp_pat
 
     async def main() -> None:
         path = str(tmp_path / "act.sock")
-        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, max_delay_us=5_000_000) as server:
-            address = f"127.0.0.1:{server.port}"
+        async with (
+            running_server(EchoPolicy(OBS, ACT), local_socket=path, max_delay_us=5_000_000) as server,
             # an idle backfill stream on the local socket: a gRPC stream's step goes at once
-            backfill = await _open(path, _settings(backfill=True))
+            _connected(path, _settings(backfill=True)),
+        ):
+            address = f"127.0.0.1:{server.port}"
             answer = await asyncio.wait_for(act_once(address, _rows([0, 1]).obs), 2.0)
             assert answer.queue_wait_us < 1_000_000
             # an idle backfill stream over gRPC: a local stream's step goes at once
-            async with EdgeClient(address) as client:
+            async with EdgeClient(address) as client, _connected(path) as local:
                 idle = await client.open_stream(session_id="idle", num_envs=2, obs_shape=[OBS], backfill=True)
-                local = await _open(path)
                 await asyncio.wait_for(_ask(local, [0, 1, 2]), 2.0)  # far below the 5 s delay
                 # an idle stream that is no backfill stream is waited for
                 assert server.batcher.waited_streams == 1  # the local stream only
@@ -186,8 +198,6 @@ def test_an_idle_backfill_stream_is_not_waited_for_over_either_transport(tmp_pat
                 await plain.close()  # one stream fewer to wait for: the step goes
                 await asyncio.wait_for(waiting, 2.0)
                 await idle.close()
-            for reader_writer in (backfill, local):
-                reader_writer[1].close()
 
     run(main())
 
@@ -263,14 +273,16 @@ def test_bad_frames_get_their_status_and_other_streams_are_served(
 ) -> None:
     async def main() -> None:
         path = str(tmp_path / "act.sock")
-        async with running_server(
-            EchoPolicy(OBS, ACT), env_name="Toy-v0", local_socket=path, max_message_bytes=4096
-        ) as server:
-            good = await _open(path, _settings(env_name="Toy-v0"))
+        async with (
+            running_server(
+                EchoPolicy(OBS, ACT), env_name="Toy-v0", local_socket=path, max_message_bytes=4096
+            ) as server,
+            _connected(path, _settings(env_name="Toy-v0")) as good,
+        ):
             await _ask(good, [0, 1])
-            reader, writer = await asyncio.open_unix_connection(path)
-            writer.write(bad)
-            got_code, details = await _refusal(reader)
+            async with _connected(path, greet=False) as (reader, writer):
+                writer.write(bad)
+                got_code, details = await _refusal(reader)
             assert got_code == code
             assert message in details
             await _ask(good, [2, 3])  # the other local stream is still served...
@@ -290,9 +302,9 @@ def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Pat
         async with running_server(EchoPolicy(OBS, ACT), local_socket=path, learner=cfg) as server:
             obs = _rows([0, 1]).obs
             if local:
-                stream = await _open(path, _settings(num_envs=2))
-                for _ in range(5):
-                    await _ask(stream, [0, 1])
+                async with _connected(path, _settings(num_envs=2)) as stream:
+                    for _ in range(5):
+                        await _ask(stream, [0, 1])
             else:
                 from edgerl.robot_client.client import EdgeClient
 
@@ -314,8 +326,10 @@ def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Pat
 def test_shutdown_answers_what_is_in_flight_then_closes_and_removes_the_socket(tmp_path: Path) -> None:
     async def main() -> None:
         path = str(tmp_path / "act.sock")
-        async with running_server(EchoPolicy(OBS, ACT, delay_s=0.3), local_socket=path) as server:
-            reader, writer = await _open(path)
+        async with (
+            running_server(EchoPolicy(OBS, ACT, delay_s=0.3), local_socket=path) as server,
+            _connected(path) as (reader, writer),
+        ):
             writer.write(frames.encode_obs(1, _rows([0, 1])))
             await asyncio.sleep(0.1)  # in the forward pass
             stopping = asyncio.ensure_future(server.stop(grace_s=1.0))
@@ -336,7 +350,8 @@ def test_socket_is_private_and_a_stale_one_is_replaced(tmp_path: Path) -> None:
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
             os.link(path, tmp_path / "stale.sock")  # a socket file no server listens on
         async with running_server(EchoPolicy(OBS, ACT), local_socket=str(tmp_path / "stale.sock")):
-            await _ask(await _open(str(tmp_path / "stale.sock")), [0])
+            async with _connected(str(tmp_path / "stale.sock")) as stream:
+                await _ask(stream, [0])
         (tmp_path / "file").write_text("not a socket")
         with pytest.raises(OSError, match=r"file: exists and is not a socket"):
             async with running_server(EchoPolicy(OBS, ACT), local_socket=str(tmp_path / "file")):
