@@ -296,7 +296,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             if invalid:
                 self.rejected_invalid += 1
             await context.abort(code, message)
-        res = await future
+        try:
+            res = await future
+        except Exception as exc:  # as a stream's step: INTERNAL, naming the failure, not UNKNOWN
+            await context.abort(*answer_failure(exc))
         return _response(0, list(range(obs.shape[0])), res)
 
     async def Describe(  # noqa: N802

@@ -22,17 +22,23 @@ from edgerl.trainer.segments import Batch
 
 class EchoPolicy(PolicyBackend):
     """Action = first act_dim observation entries, log-prob = row sum: lets a test check that
-    every env received the answer computed from its own observation."""
+    every env received the answer computed from its own observation. With ``fail_on``, a
+    forward pass over a batch holding that value raises (a model that breaks on some input)."""
 
     name = "echo"
 
-    def __init__(self, obs_dim: int, act_dim: int, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, obs_dim: int, act_dim: int, delay_s: float = 0.0, fail_on: float | None = None
+    ) -> None:
         super().__init__((obs_dim,), (act_dim,), -np.ones(act_dim), np.ones(act_dim))
         self.delay_s = delay_s
+        self.fail_on = fail_on
         self.batch_sizes: list[int] = []
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
         self.batch_sizes.append(obs.shape[0])
+        if self.fail_on is not None and (obs == self.fail_on).any():
+            raise RuntimeError(f"cannot act on {self.fail_on:g}")
         if self.delay_s:
             time.sleep(self.delay_s)  # a slow model, like Gymnasium's SlowEnv
         act_dim = self.act_shape[0]

@@ -293,6 +293,24 @@ def test_bad_frames_get_their_status_and_other_streams_are_served(
     run(main())
 
 
+def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_others_go_on(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with (
+            running_server(EchoPolicy(OBS, ACT, fail_on=666), local_socket=path, max_delay_us=0),
+            _connected(path) as good,
+            _connected(path) as (reader, writer),
+        ):
+            await _ask(good, [0, 1])
+            writer.write(frames.encode_obs(1, _rows([0, 1], np.full((2, OBS), 666, np.float32))))
+            assert await _refusal(reader) == ("INTERNAL", "policy forward pass failed: cannot act on 666")
+            await _ask(good, [2, 3])  # the other stream is still served
+
+    run(main())
+
+
 def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Path) -> None:
     """The transition store sees a local stream's steps as it sees the Act RPC's."""
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,12 @@ def _step(
     )
 
 
+def _with(request: pb.ActRequest, change: Callable[[pb.StepObservation], object]) -> pb.ActRequest:
+    """``request`` after ``change(request.step)``: a step that the helper above cannot make."""
+    change(request.step)
+    return request
+
+
 HELLO = pb.ActRequest(hello=pb.StreamHello(session_id="bad", num_envs=4, obs_shape=[OBS], max_inflight=1))
 GOOD = np.zeros((2, OBS), np.float32)
 NAN = GOOD.copy()
@@ -267,7 +274,42 @@ BAD_CASES = {
     "id range": ([HELLO, _step(0, [0, 9], GOOD)], "INVALID_ARGUMENT", "step.env_ids"),
     "duplicate ids": ([HELLO, _step(0, [1, 1], GOOD)], "INVALID_ARGUMENT", "step.env_ids: duplicate"),
     "seq gap": ([HELLO, _step(5, [0, 1], GOOD)], "INVALID_ARGUMENT", "step.seq: expected 0, got 5"),
+    "no env ids": (
+        [HELLO, _step(0, [], np.zeros((0, OBS), np.float32))],
+        "INVALID_ARGUMENT",
+        "step.env_ids: need 1 to 256 env ids (max_batch_size), got 0",
+    ),
+    "obs bytes": (  # the raw bytes of two rows, less their last value
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: setattr(s.obs, "data", GOOD.tobytes()[:-4]))],
+        "INVALID_ARGUMENT",
+        "step.obs.data: 132 bytes do not match shape [2, 17] of FLOAT32 (136 bytes)",
+    ),
+    "rewards count": (
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.rewards.append(0.0))],
+        "INVALID_ARGUMENT",
+        "step.rewards: expected 2 values (one per env id), got 3",
+    ),
+    "truncated count": (
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.truncated.pop())],
+        "INVALID_ARGUMENT",
+        "step.truncated: expected 2 values (one per env id), got 1",
+    ),
+    "fallback count": (
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.fallback.append(True))],
+        "INVALID_ARGUMENT",
+        "step.fallback: expected 0 or 2 values (one per env id), got 1",
+    ),
     "no hello": ([_step(0, [0, 1], GOOD)], "FAILED_PRECONDITION", "must be a StreamHello"),
+    "hello no envs": (
+        [pb.ActRequest(hello=pb.StreamHello(session_id="x", num_envs=0, obs_shape=[OBS]))],
+        "INVALID_ARGUMENT",
+        "hello.num_envs: must be in [1, 1024], got 0",
+    ),
+    "hello inflight": (
+        [pb.ActRequest(hello=pb.StreamHello(session_id="x", num_envs=4, obs_shape=[OBS], max_inflight=5))],
+        "INVALID_ARGUMENT",
+        "hello.max_inflight: at most num_envs (4), got 5",
+    ),
     "hello shape": (
         [pb.ActRequest(hello=pb.StreamHello(session_id="x", num_envs=4, obs_shape=[3]))],
         "INVALID_ARGUMENT",
@@ -351,6 +393,32 @@ def test_keepalive_settings_are_checked() -> None:
         ServerConfig(keepalive_s=-1)
     with pytest.raises(ValueError, match=r"keepalive_timeout_s > 0, got 30.0 and 0"):
         ServerConfig(keepalive_timeout_s=0)
+
+
+def test_a_failed_forward_pass_fails_its_callers_with_internal_and_the_server_goes_on() -> None:
+    poisoned = np.full((4, OBS), 666, np.float32)
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT, fail_on=666), max_delay_us=0) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                healthy = await _healthy_stream(client, "healthy")
+                await _round_trip(healthy)
+                broken = await _healthy_stream(client, "broken")
+                await broken.send([0, 1, 2, 3], poisoned, np.zeros(4), np.zeros(4, bool), np.zeros(4, bool))
+                with pytest.raises(errors.RpcError) as stream_failure:
+                    await broken.recv()
+                with pytest.raises(errors.RpcError) as unary_failure:
+                    await client.act(poisoned)
+                for failure in (stream_failure.value, unary_failure.value):
+                    assert failure.code == grpc.StatusCode.INTERNAL, failure
+                    assert "policy forward pass failed: cannot act on 666" in str(failure)
+                for _ in range(3):
+                    await _round_trip(healthy)  # the server still serves the other stream...
+                ans = await client.act(np.ones((2, OBS), np.float32))  # ...and new calls
+                assert ans.actions.shape == (2, ACT)
+                await healthy.close()
+
+    run(main())
 
 
 def test_unary_validation_names_the_field() -> None:
