@@ -164,6 +164,49 @@ def test_backpressure_holds_envs_when_no_trainer_takes_transitions() -> None:
     run(main())
 
 
+def test_a_backlog_goes_out_in_messages_that_fit_and_an_ack_of_an_unsent_segment_is_refused() -> None:
+    """Segments held while no trainer was connected go out at once, split into messages of at
+    most half of ``max_message_bytes``, every one in seq order; acking a seq never sent ends
+    the trainer's stream with INVALID_ARGUMENT naming ``acked_seq``."""
+
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=2)
+        async with running_server(_backend(), learner=learner, max_message_bytes=4096) as server:
+            store = server.store
+            assert store is not None
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=1))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            try:
+                while store.next_seq <= 40:  # 40 segments of 2 steps, ~9 KiB: more than one message
+                    await asyncio.sleep(0.01)
+            finally:
+                stop.set()
+                await sim
+                worker.close()
+            while server.servicer.active_streams:  # its close cuts the envs' last, short segments
+                await asyncio.sleep(0.01)
+            held = store.next_seq - 1
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                call = pb_grpc.LearnerStub(channel).StreamTransitions(timeout=30)
+                await call.write(pb.TransitionAck(acked_seq=0, window_steps=1 << 20, trainer_id="test"))
+                seqs: list[int] = []
+                sizes: list[int] = []
+                while len(seqs) < held:
+                    batch = await call.read()
+                    seqs += [seg.seq for seg in batch.segments]
+                    sizes.append(sum(seg.ByteSize() for seg in batch.segments))
+                assert seqs == list(range(1, held + 1))  # all, once, in order
+                assert len(sizes) > 1 and max(sizes) <= 2048, sizes
+                await call.write(pb.TransitionAck(acked_seq=held + 5, window_steps=1 << 20))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call.read()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details() == f"acked_seq: {held + 5} was never sent (last segment is {held})"
+
+    run(main())
+
+
 def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> None:
     async def main() -> None:
         learner = TransitionConfig(weight_sync_interval=2)
