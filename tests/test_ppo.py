@@ -21,7 +21,7 @@ from edgerl.trainer.ppo import (
     ppo_loss,
     segment_positions,
 )
-from edgerl.trainer.segments import Batch
+from edgerl.trainer.segments import Batch, RewardScaler, RunningMeanStd
 from edgerl.trainer.trainer import Trainer, TrainerConfig
 from tests.helpers import random_batch
 
@@ -180,6 +180,34 @@ def _update(
     trainer.state.version = version
     scalars = trainer.update(batch)
     return scalars, [p.detach().clone() for p in trainer.policy.module.parameters()]
+
+
+def test_running_mean_std_in_chunks_matches_numpy_over_all_of_it() -> None:
+    data = np.random.default_rng(0).normal(3.0, 2.0, size=1000)
+    rms = RunningMeanStd()
+    for chunk in np.split(data, [1, 10, 10, 400]):  # sizes 1, 9, 0, 390, 600
+        rms.update(chunk)
+    assert rms.count == pytest.approx(1000, abs=1e-3)  # its prior counts 1e-4
+    assert rms.mean == pytest.approx(data.mean(), rel=1e-6)
+    assert rms.var == pytest.approx(data.var(), rel=1e-6)
+
+
+def test_reward_scaler_divides_by_the_std_of_returns_kept_per_env_and_reset_at_episode_ends() -> None:
+    scaler = RewardScaler(gamma=0.5)
+    a0 = ("stream-a", 0)
+    first = scaler.scale(a0, np.array([1.0, 1.0, 1.0]), np.array([False, True, False]))
+    # returns 1, 0.5 * 1 + 1 = 1.5, then the episode ended: 1
+    later = scaler.scale(a0, np.array([2.0]), np.array([False]))  # 0.5 * 1 + 2 = 2.5, carried over
+    other = scaler.scale(("stream-b", 0), np.array([2.0]), np.array([False]))  # its own: 2
+    returns = np.array([1.0, 1.5, 1.0, 2.5, 2.0])
+    assert scaler.rms.mean == pytest.approx(returns.mean(), rel=1e-4)
+    assert scaler.rms.var == pytest.approx(returns.var(), rel=1e-3)
+    for scaled, rewards, seen in ((first, 1.0, 3), (later, 2.0, 4), (other, 2.0, 5)):
+        assert scaled.dtype == np.float32
+        np.testing.assert_allclose(scaled, rewards / returns[:seen].std(), rtol=1e-3)
+
+    clipped = RewardScaler(gamma=0.5, clip=1.0)  # returns -1, -1.5: std 0.25, so -1 / 0.25 = -4
+    np.testing.assert_array_equal(clipped.scale(a0, -np.ones(2), np.zeros(2, bool)), [-1.0, -1.0])
 
 
 def test_segment_positions_restart_at_each_segment() -> None:
