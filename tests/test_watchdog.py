@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +132,48 @@ def test_safe_pose_is_reached_by_a_rate_limited_trajectory() -> None:
 def test_safe_pose_mode_needs_a_pose() -> None:
     with pytest.raises(ValueError, match="safe_pose"):
         WatchdogConfig(fallback=Fallback.SAFE_POSE)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"hz": 0.0}, "hz must be in (0, 10000], got 0.0"),
+        ({"hz": 20_000.0}, "hz must be in (0, 10000], got 20000.0"),
+        ({"deadline_s": 0.0}, "deadline_s must be > 0, got 0.0"),
+        ({"estop_after": -1}, "estop_after must be >= 0, got -1"),
+        ({"max_delta": float("inf")}, "max_delta must be finite and > 0, got inf"),
+        ({"max_delta": [0.1, 0.0]}, "max_delta must be finite and > 0, got [0.1, 0.0]"),
+        ({"stats_window": 0}, "stats_window must be >= 1, got 0"),
+        ({"fallback": "freeze"}, "'freeze' is not a valid Fallback"),
+    ],
+    ids=[
+        "hz 0",
+        "hz 20k",
+        "deadline_s",
+        "estop_after",
+        "max_delta inf",
+        "max_delta 0",
+        "stats_window",
+        "fallback",
+    ],
+)
+def test_a_bad_watchdog_setting_is_refused_naming_it(setting: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WatchdogConfig(**setting)
+
+
+def test_action_limits_and_poses_of_the_wrong_shape_are_refused_naming_them() -> None:
+    clock = FakeClock()
+    with pytest.raises(ValueError, match="action limits need the same shape and low <= high"):
+        Watchdog([1.0, -1.0], [-1.0, 1.0], Recorder(), clock=clock)  # low > high in the first
+    with pytest.raises(ValueError, match="action limits need the same shape"):
+        Watchdog([-1.0] * 2, [1.0] * 3, Recorder(), clock=clock)
+    with pytest.raises(ValueError, match=re.escape("safe_pose: expected [2] finite values, got [0.0]")):
+        make(clock, fallback=Fallback.SAFE_POSE, safe_pose=[0.0])
+    with pytest.raises(
+        ValueError, match=re.escape("stop_action: expected [2] finite values, got [0.0, nan]")
+    ):
+        Watchdog([-1.0] * 2, [1.0] * 2, Recorder(), stop_action=[0.0, float("nan")], clock=clock)
 
 
 def test_policy_actions_are_clamped_to_limits() -> None:
