@@ -388,6 +388,24 @@ def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     assert not run(ends_within(0.0, seconds=4.0))
 
 
+BAD_SETTINGS: dict[str, tuple[object, str]] = {
+    "port": (65536, "port must be in [0, 65535], got 65536"),
+    "max_batch_size": (0, "max_batch_size must be >= 1, got 0"),
+    "max_delay_us": (-1, "max_delay_us must be >= 0, got -1"),
+    "max_queue_rows": (100, "max_queue_rows (100) must be >= max_batch_size (256)"),
+    "max_message_bytes": (1000, "max_message_bytes must be >= 1024, got 1000"),
+    "max_envs_per_stream": (0, "max_envs_per_stream must be >= 1, got 0"),
+    "grace_s": (-0.5, "grace_s must be >= 0, got -0.5"),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_SETTINGS))
+def test_a_bad_server_setting_is_refused_naming_it(field: str) -> None:
+    value, message = BAD_SETTINGS[field]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerConfig(**{field: value})  # type: ignore[arg-type]
+
+
 def test_keepalive_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="keepalive_s must be >= 0 and keepalive_timeout_s > 0, got -1"):
         ServerConfig(keepalive_s=-1)

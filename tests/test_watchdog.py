@@ -134,32 +134,23 @@ def test_safe_pose_mode_needs_a_pose() -> None:
         WatchdogConfig(fallback=Fallback.SAFE_POSE)
 
 
-@pytest.mark.parametrize(
-    ("setting", "message"),
-    [
-        ({"hz": 0.0}, "hz must be in (0, 10000], got 0.0"),
-        ({"hz": 20_000.0}, "hz must be in (0, 10000], got 20000.0"),
-        ({"deadline_s": 0.0}, "deadline_s must be > 0, got 0.0"),
-        ({"estop_after": -1}, "estop_after must be >= 0, got -1"),
-        ({"max_delta": float("inf")}, "max_delta must be finite and > 0, got inf"),
-        ({"max_delta": [0.1, 0.0]}, "max_delta must be finite and > 0, got [0.1, 0.0]"),
-        ({"stats_window": 0}, "stats_window must be >= 1, got 0"),
-        ({"fallback": "freeze"}, "'freeze' is not a valid Fallback"),
-    ],
-    ids=[
-        "hz 0",
-        "hz 20k",
-        "deadline_s",
-        "estop_after",
-        "max_delta inf",
-        "max_delta 0",
-        "stats_window",
-        "fallback",
-    ],
-)
-def test_a_bad_watchdog_setting_is_refused_naming_it(setting: dict[str, Any], message: str) -> None:
+BAD_SETTINGS: dict[str, tuple[dict[str, object], str]] = {
+    "hz 0": ({"hz": 0.0}, "hz must be in (0, 10000], got 0.0"),
+    "hz 20k": ({"hz": 20_000.0}, "hz must be in (0, 10000], got 20000.0"),
+    "deadline_s": ({"deadline_s": 0.0}, "deadline_s must be > 0, got 0.0"),
+    "estop_after": ({"estop_after": -1}, "estop_after must be >= 0, got -1"),
+    "max_delta inf": ({"max_delta": float("inf")}, "max_delta must be finite and > 0, got inf"),
+    "max_delta 0": ({"max_delta": [0.1, 0.0]}, "max_delta must be finite and > 0, got [0.1, 0.0]"),
+    "stats_window": ({"stats_window": 0}, "stats_window must be >= 1, got 0"),
+    "fallback": ({"fallback": "freeze"}, "'freeze' is not a valid Fallback"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_a_bad_watchdog_setting_is_refused_naming_it(case: str) -> None:
+    setting, message = BAD_SETTINGS[case]
     with pytest.raises(ValueError, match=re.escape(message)):
-        WatchdogConfig(**setting)
+        WatchdogConfig(**setting)  # type: ignore[arg-type]
 
 
 def test_action_limits_and_poses_of_the_wrong_shape_are_refused_naming_them() -> None:
