@@ -223,7 +223,7 @@ def test_recv_deadline_raises_deadline_exceeded() -> None:
     run(main())
 
 
-def test_too_many_in_flight_is_refused_client_side() -> None:
+def test_sending_beyond_max_inflight_or_receiving_with_none_in_flight_is_refused_client_side() -> None:
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:
             async with EdgeClient(f"127.0.0.1:{server.port}") as client:
@@ -231,9 +231,31 @@ def test_too_many_in_flight_is_refused_client_side() -> None:
                 await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
                 with pytest.raises(errors.EdgeRLError, match="max_inflight is 1"):
                     await stream.send([0], np.zeros((1, 4)), [0.0], [False], [False])
+                assert (await stream.recv()).actions.shape == (1, 1)  # the first is answered
+                with pytest.raises(errors.EdgeRLError, match=r"recv\(\) with no message in flight"):
+                    await stream.recv()  # which would wait forever
                 await stream.close()
 
     run(main())
+
+
+SIM_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "num_envs": ({"num_envs": 0}, "num_envs must be >= 1, got 0"),
+    "groups": ({"num_envs": 2, "groups": 3}, "groups must be in [1, num_envs=2], got 3"),
+    "timeout_s": ({"timeout_s": 0.0}, "timeout_s must be > 0, got 0.0"),
+    "max_steps": ({"max_steps": -1}, "max_steps must be >= 0, got -1"),
+    "backoff": (
+        {"backoff_initial_s": 2.0, "backoff_max_s": 1.0},
+        "need 0 < backoff_initial_s <= backoff_max_s",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(SIM_SETTINGS))
+def test_a_bad_sim_worker_setting_is_refused_naming_it(field: str) -> None:
+    setting, message = SIM_SETTINGS[field]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SimWorkerConfig(server="127.0.0.1:1", **setting)
 
 
 def test_wait_ready_gives_up_leaving_nothing_pending_for_a_later_loop(
