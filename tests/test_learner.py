@@ -229,7 +229,7 @@ def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> No
     run(main())
 
 
-def test_publish_without_learner_is_unimplemented() -> None:
+def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -> None:
     async def main() -> None:
         async with running_server(_backend()) as server:
             channel = grpc.insecure_channel(server.address)
@@ -237,5 +237,16 @@ def test_publish_without_learner_is_unimplemented() -> None:
                 await _in_thread(publish_weights, pb_grpc.LearnerStub(channel), {}, 1)
             assert exc.value.code == grpc.StatusCode.UNIMPLEMENTED
             channel.close()
+            # A trainer's feed fails for good instead of waiting: take() raises what the server said.
+            feed = TransitionFeed(server.address, window_steps=64).start()
+            try:
+                with pytest.raises(errors.RpcError) as failed:
+                    await _in_thread(feed.take, 8)
+                assert failed.value.code == grpc.StatusCode.UNIMPLEMENTED
+                assert feed.reconnects == 0  # not retried
+                with pytest.raises(ValueError, match=r"take\(65\): more than window_steps \(64\)"):
+                    feed.take(65)  # the server never sends more unacknowledged: it would wait forever
+            finally:
+                feed.close()
 
     run(main())
