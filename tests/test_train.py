@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,23 @@ def test_a_resumed_run_keeps_its_own_config_but_for_what_is_given_again(tmp_path
         load_config("Hopper-v5", None, {"policy": "mlp-large"}, [], resume=tmp_path)
     with pytest.raises(FileNotFoundError, match=r"--resume: no run in .*elsewhere \(it has no config.json\)"):
         load_config(None, None, {}, [], resume=tmp_path / "elsewhere")
+
+
+BAD_PPO_SETTINGS = {
+    "ppo.epochs=0": "--set: epochs must be >= 1, got 0",
+    "ppo.minibatch_size=999999": "--set: minibatch_size (999999) must be <= batch_steps",
+    "ppo.gamma=1.5": "--set: need 0 < gamma <= 1 and 0 <= gae_lambda <= 1",
+    "ppo.gae_lambda=-0.1": "--set: need 0 < gamma <= 1 and 0 <= gae_lambda <= 1",
+    "ppo.max_policy_lag=-1": "--set: max_policy_lag must be >= 0, got -1",
+    "ppo.baseline=median": "--set: baseline must be one of critic, group, got 'median'",
+    "ppo.learning_rate=0": "--set: learning_rate and clip must be > 0",
+}
+
+
+@pytest.mark.parametrize("setting", list(BAD_PPO_SETTINGS))
+def test_a_bad_ppo_setting_is_refused_naming_it(setting: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(BAD_PPO_SETTINGS[setting])):
+        load_config(None, None, {}, [setting])
 
 
 def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
