@@ -225,6 +225,8 @@ class Trainer:
     ) -> TrainerState:
         """Train until ``total_steps`` env steps were learned from or ``should_stop()``."""
         cfg = self.config
+        # first: a run dir it cannot write to fails before any channel or feed thread exists
+        metrics = MetricsLog(self.run_dir, self.tensorboard)  # the run's: closed at its end
         self._channel = learner_channel(self.server, self.security)
         stub = pb_grpc.LearnerStub(self._channel)
         policy_stub = pb_grpc.EdgePolicyStub(self._channel)
@@ -234,7 +236,6 @@ class Trainer:
             trainer_id=f"{socket.gethostname()}/{os.getpid()}",
             security=self.security,
         ).start()
-        metrics = MetricsLog(self.run_dir, self.tensorboard)  # the run's: closed at its end
         start = time.monotonic() - self.state.wall_s
         last_t, last_received = time.monotonic(), 0
         try:
