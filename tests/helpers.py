@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,6 +20,18 @@ from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.segments import Batch
+
+
+@contextlib.contextmanager
+def unclosed_resources() -> Iterator[list[str]]:
+    """The messages of the ResourceWarnings raised inside the block or by a collection at its
+    end (an object dropped there unclosed): the list it yields is filled when the block ends."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield found
+        gc.collect()
+    found += [str(w.message) for w in caught if w.category is ResourceWarning]
 
 
 class EchoPolicy(PolicyBackend):

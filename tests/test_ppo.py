@@ -23,7 +23,7 @@ from edgerl.trainer.ppo import (
 )
 from edgerl.trainer.segments import Batch, RewardScaler, RunningMeanStd
 from edgerl.trainer.trainer import Trainer, TrainerConfig
-from tests.helpers import random_batch
+from tests.helpers import random_batch, unclosed_resources
 
 F = np.float32
 
@@ -276,12 +276,8 @@ def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:
 def test_a_trainer_opens_its_metrics_log_only_for_a_run(tmp_path: Path) -> None:
     """Built and updated without :meth:`Trainer.run` (as a library user or a test does), a
     trainer holds no open metrics file nor TensorBoard writer (whose thread would outlive it)."""
-    import gc
-    import warnings
-
     run_dir = tmp_path / "run"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with unclosed_resources() as unclosed:
         trainer = Trainer(
             TrainerConfig(batch_steps=N, minibatch_size=16, epochs=1),
             build_policy("mlp-small", OBS, ACT),
@@ -290,12 +286,9 @@ def test_a_trainer_opens_its_metrics_log_only_for_a_run(tmp_path: Path) -> None:
         )
         trainer.update(random_batch(np.random.default_rng(0), N, OBS, ACT))
         del trainer
-        gc.collect()
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "tb").exists()  # tb: the writer's
-    unclosed = [
-        str(w.message) for w in caught if w.category is ResourceWarning and str(run_dir) in str(w.message)
-    ]
-    assert not unclosed, unclosed
+    ours = [message for message in unclosed if str(run_dir) in message]
+    assert not ours, ours
 
 
 def test_metrics_lines_are_standard_json_with_non_finite_values_as_null(tmp_path: Path) -> None:

@@ -21,7 +21,13 @@ from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig,
 from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, check_machine_block, run_a_later_grpc_loop
+from tests.helpers import (
+    EchoPolicy,
+    ServerThread,
+    check_machine_block,
+    run_a_later_grpc_loop,
+    unclosed_resources,
+)
 
 HZ = 50.0
 BOTH_STREAMS = pytest.mark.parametrize("network_process", [False, True], ids=["thread", "process"])
@@ -316,12 +322,8 @@ def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
 def test_a_robot_host_holds_its_stream_only_while_started(network_process: bool) -> None:
     """Built and never started (as a library user or a test does), a host holds no event loop
     and no network process; started and stopped, it leaves none behind."""
-    import gc
-    import warnings
-
     cfg = _config("127.0.0.1:1", network_process=network_process, connect_timeout_s=0.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with unclosed_resources() as unclosed:
         idle = RobotHost([CounterRobot()], cfg)
         assert idle.stats()[0]["ticks"] == 0
         del idle
@@ -330,8 +332,6 @@ def test_a_robot_host_holds_its_stream_only_while_started(network_process: bool)
         host.stop()
         host.stop()  # a second stop is harmless
         del host
-        gc.collect()
-    unclosed = [str(w.message) for w in caught if w.category is ResourceWarning]
     assert not unclosed, unclosed
 
 
