@@ -8,6 +8,8 @@ import gc
 import math
 import os
 import socket
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -139,6 +141,27 @@ async def act_once(
 
 T = TypeVar("T")
 
+EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+"""The ``edgerl`` command in this interpreter, wherever its console script is."""
+
+
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``edgerl serve --port 0 ARGS`` running: yields its process and its first line of output
+    ("edgerl: serving ENV on ADDRESS"). After the block, unless the block stopped it, the server
+    gets SIGTERM, and the test fails unless it exits 0 within 60 s; a block that raised kills it."""
+    command = [*EDGERL, "serve", "--port", "0", *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        try:
+            yield proc, proc.stdout.readline()
+        except BaseException:
+            proc.kill()
+            raise
+        if proc.poll() is None:
+            proc.terminate()
+        assert proc.wait(timeout=60) == 0
+
 
 def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:
     """Calls ``condition`` every ``poll_s`` until it returns a true value or ``timeout_s`` passed,
@@ -146,6 +169,15 @@ def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1
     deadline = time.monotonic() + timeout_s
     while not (value := condition()) and time.monotonic() < deadline:
         time.sleep(poll_s)
+    return value
+
+
+async def waited(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.01) -> T:
+    """``wait_until`` inside an event loop: polls without blocking it, so that the server or
+    worker the condition waits on runs meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
     return value
 
 

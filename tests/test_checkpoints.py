@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,8 @@ from edgerl.models import GaussianMLPPolicy, build_policy, gaussian_log_prob
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.trainer import Trainer, TrainerConfig
-from tests.helpers import random_batch
+from tests.helpers import EDGERL, random_batch, serving
 
-EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 CHEETAH = env_spec("HalfCheetah-v5")  # 17 observation values, 6 action values
 
 
@@ -268,23 +266,15 @@ def test_edgerl_serve_serves_a_run_folder_with_its_env_policy_and_version(tmp_pa
     assert refused.returncode == 2
     assert refused.stderr.strip().endswith("ckpt-00000002.pt was trained on HalfCheetah-v5"), refused.stderr
 
-    with subprocess.Popen(
-        [*EDGERL, "serve", "--port", "0", "--checkpoint", str(tmp_path / "run")],
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            first, second = proc.stdout.readline(), proc.stdout.readline()
-            assert first.startswith("edgerl: serving HalfCheetah-v5 on "), first  # the checkpoint's env
-            assert second.startswith("edgerl: policy mlp-small, version 2 from "), second
+    with serving("--checkpoint", str(tmp_path / "run")) as (proc, first):
+        assert proc.stdout is not None
+        second = proc.stdout.readline()
+        assert first.startswith("edgerl: serving HalfCheetah-v5 on "), first  # the checkpoint's env
+        assert second.startswith("edgerl: policy mlp-small, version 2 from "), second
 
-            async def describe() -> tuple[int, tuple[int, ...]]:
-                async with EdgeClient(first.split()[-1], timeout_s=30.0) as client:
-                    info = await client.describe()
-                return info.policy_version, info.obs_shape
+        async def describe() -> tuple[int, tuple[int, ...]]:
+            async with EdgeClient(first.split()[-1], timeout_s=30.0) as client:
+                info = await client.describe()
+            return info.policy_version, info.obs_shape
 
-            assert asyncio.run(describe()) == (2, (17,))
-        finally:
-            proc.terminate()
-            assert proc.wait(timeout=60) == 0
+        assert asyncio.run(describe()) == (2, (17,))

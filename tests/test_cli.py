@@ -9,7 +9,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,9 +21,16 @@ from edgerl.launch.processes import fleet_groups
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, check_machine_block, free_port, wait_until
-
-EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+from tests.helpers import (
+    EDGERL,
+    EchoPolicy,
+    ServerThread,
+    act_once,
+    check_machine_block,
+    free_port,
+    serving,
+    wait_until,
+)
 
 
 def _edgerl(args: str, json_path: Path, tmpdir: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -585,29 +591,23 @@ def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -
 
 
 def test_edgerl_serve_prints_what_it_did_every_stats_interval() -> None:
-    with subprocess.Popen(
-        [*EDGERL, "serve", "--port", "0", "--stats-every-s", "0.5"], stdout=subprocess.PIPE, text=True
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            first, _ = proc.stdout.readline(), proc.stdout.readline()
-            address = first.split()[-1]
-            obs = np.zeros((4, 17), np.float32)  # one step of 4 HalfCheetah envs per stream
-            for _ in range(3):
-                asyncio.run(act_once(address, obs))
-            # a tick may fall between a stream's opening and its step: a line with streams, no rows
-            lines = [proc.stdout.readline().strip()]
-            while "rows each" not in lines[-1] and len(lines) < 4:
-                lines.append(proc.stdout.readline().strip())
-            pattern = r"edgerl: [01] stream\(s\), [\d,]+ rows/s in [\d,]+ batches/s{}, policy version 0"
-            for line in lines[:-1]:
-                assert re.fullmatch(pattern.format(""), line), lines
-            # every stream sent one step of 4 rows, alone: 4 rows a batch
-            each = r" \(4\.0 rows each\), queue wait p99 [\d.]+ ms, inference p50 [\d.]+ ms"
-            assert re.fullmatch(pattern.format(each), lines[-1]), lines
-        finally:
-            proc.terminate()
-            assert proc.wait(timeout=60) == 0
+    with serving("--stats-every-s", "0.5") as (proc, first):
+        assert proc.stdout is not None
+        proc.stdout.readline()  # the policy line
+        address = first.split()[-1]
+        obs = np.zeros((4, 17), np.float32)  # one step of 4 HalfCheetah envs per stream
+        for _ in range(3):
+            asyncio.run(act_once(address, obs))
+        # a tick may fall between a stream's opening and its step: a line with streams, no rows
+        lines = [proc.stdout.readline().strip()]
+        while "rows each" not in lines[-1] and len(lines) < 4:
+            lines.append(proc.stdout.readline().strip())
+        pattern = r"edgerl: [01] stream\(s\), [\d,]+ rows/s in [\d,]+ batches/s{}, policy version 0"
+        for line in lines[:-1]:
+            assert re.fullmatch(pattern.format(""), line), lines
+        # every stream sent one step of 4 rows, alone: 4 rows a batch
+        each = r" \(4\.0 rows each\), queue wait p99 [\d.]+ ms, inference p50 [\d.]+ ms"
+        assert re.fullmatch(pattern.format(each), lines[-1]), lines
 
 
 def test_bench_throughput_gives_the_llm_policy_one_env_group_per_replica() -> None:

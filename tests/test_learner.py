@@ -23,7 +23,7 @@ from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.feed import TransitionFeed, publish_weights
 from edgerl.trainer.segments import segment_key
-from tests.helpers import run, running_server
+from tests.helpers import run, running_server, waited
 
 ENV = "InvertedPendulum-v5"
 
@@ -177,15 +177,14 @@ def test_a_backlog_goes_out_in_messages_that_fit_and_an_ack_of_an_unsent_segment
             worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=1))
             stop = threading.Event()
             sim = asyncio.ensure_future(worker.run(stop.is_set))
-            try:
-                while store.next_seq <= 40:  # 40 segments of 2 steps, ~9 KiB: more than one message
-                    await asyncio.sleep(0.01)
+            try:  # 40 segments of 2 steps, ~9 KiB: more than one message
+                assert await waited(lambda: store.next_seq > 40, timeout_s=30), store.next_seq
             finally:
                 stop.set()
                 await sim
                 worker.close()
-            while server.servicer.active_streams:  # its close cuts the envs' last, short segments
-                await asyncio.sleep(0.01)
+            # its close cuts the envs' last, short segments
+            assert await waited(lambda: not server.servicer.active_streams, timeout_s=10)
             held = store.next_seq - 1
             async with grpc.aio.insecure_channel(server.address) as channel:
                 call = pb_grpc.LearnerStub(channel).StreamTransitions(timeout=30)

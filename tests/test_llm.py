@@ -7,7 +7,6 @@ import concurrent.futures
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,7 +38,7 @@ from edgerl.models.llm_actor_critic import load_llm_actor_critic, served_weights
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.trainer.feed import learner_channel, publish_weights
-from tests.helpers import ServerThread, act_once
+from tests.helpers import EDGERL, ServerThread, act_once
 
 LOW, HIGH = np.array([-3.0, -1.0], np.float32), np.array([3.0, 1.0], np.float32)
 OBS_DIM = 4
@@ -269,7 +268,7 @@ def test_edgerl_train_llm_moves_the_return_and_resumes_into_the_engine(
 
 
 def _train(args: list[str], out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "edgerl.launch.cli", "train", *args, "--json", str(out)]
+    cmd = [*EDGERL, "train", *args, "--json", str(out)]
     subprocess.run(cmd, check=True, timeout=900)
     summary: dict[str, Any] = json.loads(out.read_text())
     return summary

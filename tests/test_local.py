@@ -27,7 +27,7 @@ from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.keeper import StreamSettings
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server, wait_until
+from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server, wait_until, waited
 
 OBS, ACT = 3, 2
 _Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -107,11 +107,8 @@ def test_local_stream_answers_every_frame_in_order_from_its_own_rows(tmp_path: P
             assert server.batcher.stats.requests == 3
             writer.close()
             await writer.wait_closed()
-            for _ in range(100):  # the server sees the close on its next loop turn
-                if server.servicer.active_streams == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert server.servicer.active_streams == 0
+            # the server sees the close on its next loop turn
+            assert await waited(lambda: server.servicer.active_streams == 0, timeout_s=1)
 
     run(main())
 

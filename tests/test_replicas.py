@@ -6,8 +6,6 @@ import asyncio
 import functools
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import PolicySpec, ServerProcess, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import ServerThread, act_once, slow_pid_echo, wait_until
+from tests.helpers import ServerThread, act_once, serving, slow_pid_echo, wait_until
 
 OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
 
@@ -106,33 +104,22 @@ def test_a_replica_that_dies_is_dropped_and_one_that_cannot_build_fails_the_star
 
 
 def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
-    with subprocess.Popen(
-        [sys.executable, "-m", "edgerl.launch.cli", "serve", "--port", "0", "--replicas", "2"],
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # "edgerl: serving HalfCheetah-v5 on 127.0.0.1:PORT"
-            assert "serving HalfCheetah-v5 on" in line, line
-            address = line.split()[-1]
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-            assert len(children) == 2  # one process per replica
+    with serving("--replicas", "2") as (proc, line):
+        assert "serving HalfCheetah-v5 on" in line, line
+        address = line.split()[-1]
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 2  # one process per replica
 
-            async def act() -> tuple[str, Any]:
-                async with EdgeClient(address, timeout_s=30.0) as c:
-                    backend = (await c.describe()).backend
-                return backend, await act_once(address, OBS, session_id="x")
+        async def act() -> tuple[str, Any]:
+            async with EdgeClient(address, timeout_s=30.0) as c:
+                backend = (await c.describe()).backend
+            return backend, await act_once(address, OBS, session_id="x")
 
-            backend, answer = asyncio.run(act())
-            assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 0
-            assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        backend, answer = asyncio.run(act())
+        assert backend == "torch-mlp-x2" and answer.actions.shape == (5, 6)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
 
 
 def _children(pid: int) -> list[int]:

@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,7 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
-from tests.helpers import check_machine_block
-
-EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+from tests.helpers import EDGERL, check_machine_block
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
