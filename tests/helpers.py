@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -310,6 +311,26 @@ class PidEcho(EchoPolicy):
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
         return PolicyResult(super().infer(obs).actions, np.full(len(obs), os.getpid(), np.float32))
+
+
+class BrokenPidEcho(PidEcho):
+    """A :class:`PidEcho` of 4 obs and 2 action dims that breaks on some input: a batch holding
+    1 raises a RuntimeError, one holding 2 an error that does not pickle (it holds a lock)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 2, fail_on=1.0)
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        if (obs == 2.0).any():
+            error = RuntimeError("cannot act on 2")
+            error.lock = threading.Lock()  # type: ignore[attr-defined]
+            raise error
+        return super().infer(obs)
+
+
+def broken_pid_echo(index: int) -> PolicyBackend:
+    """A replica factory (picklable): a :class:`BrokenPidEcho`."""
+    return BrokenPidEcho()
 
 
 def slow_pid_echo(index: int, delay_s: float = 1.0) -> PolicyBackend:

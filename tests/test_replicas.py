@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import PolicySpec, ServerProcess, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import ServerThread, act_once, serving, slow_pid_echo, wait_until
+from tests.helpers import ServerThread, act_once, broken_pid_echo, serving, slow_pid_echo, wait_until
 
 OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
 
@@ -101,6 +102,24 @@ def test_a_replica_that_dies_is_dropped_and_one_that_cannot_build_fails_the_star
         ReplicaError, match=r"policy replica [01] failed to build its backend: .*NoSuchEnv-v0"
     ):
         ReplicatedBackend(bad, 2)
+
+
+def test_a_forward_pass_that_raises_in_a_replica_fails_its_caller_and_the_replica_serves_on() -> None:
+    backend = ReplicatedBackend(broken_pid_echo, 1)
+    pid = backend._replicas[0].proc.pid
+    try:
+        with pytest.raises(RuntimeError, match=r"^cannot act on 1$"):  # as the replica raised it
+            backend.infer(np.ones((2, 4), np.float32))
+        # an error that cannot travel back is named in one that can
+        named = "policy replica: RuntimeError('cannot act on 2') (cannot pickle '_thread.lock' object)"
+        with pytest.raises(RuntimeError, match=f"^{re.escape(named)}$"):
+            backend.infer(np.full((2, 4), 2.0, np.float32))
+        assert backend.replicas == 1  # neither failure cost the replica its place
+        assert backend.infer(np.zeros((3, 4), np.float32)).log_probs.tolist() == [pid] * 3
+    finally:
+        backend.close()
+    backend.close()  # a second close does nothing
+    assert backend._replicas[0].proc.returncode == 0
 
 
 def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
