@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rosbags.rosbag2 import Reader
+from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.cli import main
@@ -141,6 +141,16 @@ def test_bag_cli(session: tuple[Path, Any], tmp_path: Path, capsys: pytest.Captu
     assert "uint64 policy_version" in capsys.readouterr().out
 
 
+def _string_bag(path: Path, topic: str) -> Path:
+    """A rosbag2 bag (MCAP) holding one ``std_msgs/msg/String`` on ``topic``, at t = 5 ns."""
+    store = typestore()
+    with Writer(path, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+        conn = writer.add_connection(topic, "std_msgs/msg/String", typestore=store)
+        message = store.types["std_msgs/msg/String"](data="hello")
+        writer.write(conn, 5, store.serialize_cdr(message, "std_msgs/msg/String"))
+    return path
+
+
 def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
     session: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -155,12 +165,16 @@ def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
     no_storage = broken("no-mcap", lambda bag: [f.unlink() for f in bag.glob("*.mcap")])
     bad_yaml = broken("bad-yaml", lambda bag: (bag / "metadata.yaml").write_text("topics: [\n"))
     bad_mcap = broken("bad-mcap", lambda bag: [f.write_bytes(b"not mcap") for f in bag.glob("*.mcap")])
+    chatter = _string_bag(tmp_path / "chatter", "/chatter")  # a readable bag of another program
+    partial = _string_bag(tmp_path / "partial", "/edgerl/r0/note")  # a robot's topic, not its tick
     cases = [
         (tmp_path / "missing", FileNotFoundError, r"missing: no such folder"),
         (tmp_path, FileNotFoundError, r": no metadata.yaml in this folder"),
         (no_storage, ValueError, r"no-mcap: cannot be read \(Some database files are missing"),
         (bad_yaml, ValueError, r"bad-yaml: cannot be read \(Could not load YAML"),
         (bad_mcap, ValueError, r"bad-mcap: cannot be read \(File magic is invalid"),
+        (chatter, ValueError, r"chatter: no /edgerl/<robot>/\.\.\. topics$"),
+        (partial, ValueError, r"partial: robot r0 at t=5 ns lacks \['action', 'observation', 'step'\]$"),
     ]
     for bag, error, message in cases:
         with pytest.raises(error, match=message):

@@ -4,6 +4,7 @@ what a checkpoint says it holds, the options it refuses, and a real server on it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import zipfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from edgerl.launch.processes import PolicySpec, build_backend
 from edgerl.models import GaussianMLPPolicy, build_policy, gaussian_log_prob
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
-from edgerl.trainer.trainer import Trainer, TrainerConfig
+from edgerl.trainer.trainer import Trainer, TrainerConfig, load_payload
 from tests.helpers import EDGERL, random_batch, serving
 
 CHEETAH = env_spec("HalfCheetah-v5")  # 17 observation values, 6 action values
@@ -88,6 +89,12 @@ def test_options_the_checkpoint_cannot_serve_are_refused_naming_them(tmp_path: P
         info.check_serves("HalfCheetah-v5", "mlp", *shapes)
     with pytest.raises(ValueError, match=r"^--policy llm: checkpoint .* holds policy 'mlp-small'"):
         info.check_serves("HalfCheetah-v5", "llm", *shapes)
+    # a checkpoint of no preset's sizes, from before runs were recorded, names no policy but its kind
+    unnamed = dataclasses.replace(info, env="", policy="")
+    with pytest.raises(ValueError, match=r"^--policy llm: checkpoint .* holds policy kind 'mlp'$"):
+        unnamed.check_serves("HalfCheetah-v5", "llm", *shapes)
+    with pytest.raises(ValueError, match=r"ckpt-00000002\.pt: holds a mlp policy, not a llm policy$"):
+        load_payload(info.path, "llm")
 
 
 def test_paths_that_hold_no_checkpoint_say_so(tmp_path: Path) -> None:

@@ -160,6 +160,29 @@ def test_more_envs_per_stream_than_the_server_takes_are_refused_before_anything_
     assert "edge server on" not in out.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ("train --resume", "--resume needs --run-dir (the run to continue)"),
+        ("robot --server 127.0.0.1:1 --robot-arg env", "--robot-arg: expected KEY=VALUE, got 'env'"),
+        (
+            "robot --server 127.0.0.1:1 --robot no_such_module:Arm",
+            "robot 'no_such_module:Arm': No module named 'no_such_module'",
+        ),
+        ("train --set ppo.epochs", "--set 'ppo.epochs': expected key=value"),
+    ],
+)
+def test_a_bad_option_value_is_a_one_line_error_before_anything_starts(
+    args: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgerl.launch.cli import main
+
+    assert main(args.split()) == 2
+    out, err = capsys.readouterr()
+    assert err == f"edgerl: error: {error}\n"
+    assert out == ""  # nothing started: no server, no run folder, no robot
+
+
 def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -> None:
     assert [fleet_groups(0, envs, 2) for envs in (2, 3, 4, 64)] == [1, 1, 2, 2]
     assert fleet_groups(3, 64, 2) == 3  # as given

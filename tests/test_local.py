@@ -38,14 +38,16 @@ def _settings(num_envs: int = 4, obs_shape: list[int] | None = None, **more: Any
     return frames.frame(frames.CONFIG + json.dumps(fields).encode())
 
 
-def _rows(ids: list[int], obs: np.ndarray | None = None, flags: np.ndarray | None = None) -> frames.ObsRows:
+def _rows(
+    ids: list[int], obs: np.ndarray | None = None, flags: np.ndarray | None = None, reward: float = 1.0
+) -> frames.ObsRows:
     n = len(ids)
     if obs is None:
         obs = np.arange(n * OBS, dtype=np.float32).reshape(n, OBS) + 10 * ids[0]
     return frames.ObsRows(
         np.asarray(ids, np.int32),
         obs,
-        np.ones(n, np.float32),
+        np.full(n, reward, np.float32),
         np.zeros((n, 3), np.uint8) if flags is None else flags,
     )
 
@@ -230,6 +232,12 @@ _CASES = [
         _settings() + frames.encode_obs(1, _rows([0, 1], np.array([[0, 0, 0], [1, np.nan, 1]], np.float32))),
         "INVALID_ARGUMENT",
         "rows.obs: row 1 contains NaN or Inf",
+    ),
+    (
+        "NaN reward",
+        _settings() + frames.encode_obs(1, _rows([0, 1], reward=np.nan)),
+        "INVALID_ARGUMENT",
+        "rows.rewards: contains NaN or Inf",
     ),
     (
         "env id past num_envs",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,12 @@ def test_load_robot_errors_name_the_problem() -> None:
         load_robot("nocolon")
     with pytest.raises(ValueError, match="does not implement the Robot protocol"):
         load_robot("collections:OrderedDict")
+    with pytest.raises(ValueError, match=r"^robot 'no_such_module:Arm': No module named 'no_such_module'$"):
+        load_robot("no_such_module:Arm")
+    with pytest.raises(ValueError, match=r"^robot 'collections:Arm': module 'collections' has no attribute"):
+        load_robot("collections:Arm")
+    with pytest.raises(ValueError, match=r"^robot 'math:pi' is not a class$"):
+        load_robot("math:pi")
 
 
 @BOTH_STREAMS
@@ -457,6 +464,37 @@ def test_robots_of_one_host_share_their_shapes_and_env() -> None:
         RobotHost([CounterRobot("a"), Named("b")], _config("127.0.0.1:1"))
     with pytest.raises(ValueError, match="at least one robot"):
         RobotKind.of([])
+
+
+BAD_HOST_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "robots_per_slot": ({"robots_per_slot": 0}, "robots_per_slot must be >= 1, got 0"),
+    "refill_at": ({"refill_at": -1}, "refill_at must be >= 0, got -1"),
+    "timeout_s": ({"timeout_s": 0.0}, "timeout_s must be > 0 and connect_timeout_s >= 0"),
+    "connect_timeout_s": ({"connect_timeout_s": -1.0}, "timeout_s must be > 0 and connect_timeout_s >= 0"),
+    "backoff": (
+        {"backoff_initial_s": 1.0, "backoff_max_s": 0.5},
+        "need 0 < backoff_initial_s <= backoff_max_s",
+    ),
+    "network_cpus": ({"network_cpus": (0,)}, "network_cpus needs network_process"),
+    "delay_ms": ({"faults": {"delay_ms": -1.0}}, "delay_ms and jitter_ms must be >= 0"),
+    "jitter_ms": ({"faults": {"jitter_ms": -1.0}}, "delay_ms and jitter_ms must be >= 0"),
+    "drop": ({"faults": {"drop": 1.5}}, "drop must be in [0, 1], got 1.5"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HOST_SETTINGS))
+def test_a_bad_robot_host_setting_is_refused_naming_it(case: str) -> None:
+    setting, message = BAD_HOST_SETTINGS[case]
+    faults = setting.get("faults")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        if faults:  # the link's faults are checked where they are made
+            LinkFaults(**faults)
+        RobotRunnerConfig("127.0.0.1:1", **setting)
+
+
+def test_robot_names_of_one_host_must_be_unique() -> None:
+    with pytest.raises(ValueError, match=re.escape("robot names must be unique, got ['a', 'b', 'a']")):
+        RobotHost([CounterRobot("a"), CounterRobot("b"), CounterRobot("a")], _config("127.0.0.1:1"))
 
 
 def test_chunk_backend_needs_matching_output() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edgerl.edge_server.auth import load_tokens, server_credentials
+from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -153,16 +154,35 @@ def test_robots_run_over_mutual_tls_with_a_token(pki: DevPki) -> None:
     assert s["ticks"] >= 45 and s["fallbacks"] <= 2
 
 
-def test_tokens_file_errors_name_the_entry(tmp_path: Path) -> None:
+_TOKEN = "0123456789abcdefXYZ"
+_ENTRY = '[[token]]\nname = "{}"\nrole = "{}"\ntoken = "{}"\n'
+BAD_TOKEN_FILES = {
+    "role": (_ENTRY.format("a", "admin", _TOKEN), "token[0].role: expected one of"),
+    "token": (_ENTRY.format("a", "robot", "short"), "token[0].token: needs at least 16 characters"),
+    "name": (_ENTRY.format("", "robot", _TOKEN), "token[0].name: missing"),
+    "duplicate": (
+        _ENTRY.format("a", "robot", _TOKEN) + _ENTRY.format("a", "robot", _TOKEN[::-1]),
+        "token[1]: duplicate name or token ('a')",
+    ),
+    "no entries": ("[server]\n", "has no [[token]] entries"),
+    "not toml": ("[[token]\n", "is not TOML: "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TOKEN_FILES))
+def test_tokens_file_errors_name_the_entry(case: str, tmp_path: Path) -> None:
+    text, message = BAD_TOKEN_FILES[case]
     f = tmp_path / "t.toml"
-    f.write_text('[[token]]\nname = "a"\nrole = "admin"\ntoken = "0123456789abcdefXYZ"\n')
-    with pytest.raises(ValueError, match=r"token\[0\]\.role"):
+    f.write_text(text)
+    with pytest.raises(ValueError, match=f"^tokens: {re.escape(str(f))} {re.escape(message)}"):
         load_tokens(f)
-    f.write_text('[[token]]\nname = "a"\nrole = "robot"\ntoken = "short"\n')
-    with pytest.raises(ValueError, match=r"token\[0\]\.token"):
-        load_tokens(f)
-    with pytest.raises(ValueError, match="no file"):
+
+
+def test_a_missing_tokens_file_or_an_empty_token_table_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^tokens: no file .*/missing\.toml$"):
         load_tokens(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match=r"^tokens: at least one is needed$"):
+        TokenAuthInterceptor({})
 
 
 def test_tls_settings_are_checked() -> None:

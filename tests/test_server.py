@@ -439,14 +439,25 @@ def test_a_failed_forward_pass_fails_its_callers_with_internal_and_the_server_go
     run(main())
 
 
+UNARY_BAD_OBS = {
+    "obs shape": (np.zeros((2, 5), np.float32), "obs.shape: expected [2, 17] ([n, *obs_shape]), got [2, 5]"),
+    "no rows": (np.zeros((0, OBS), np.float32), "obs.shape: rows must be in [1, 4], got 0"),
+    "rows past max_batch_size": (np.zeros((5, OBS), np.float32), "obs.shape: rows must be in [1, 4], got 5"),
+    "NaN": (NAN, "obs: row 1 contains NaN or Inf"),
+}
+
+
 def test_unary_validation_names_the_field() -> None:
     async def main() -> None:
-        async with running_server(EchoPolicy(OBS, ACT)) as server:
+        async with running_server(EchoPolicy(OBS, ACT), max_batch_size=4) as server:
             async with EdgeClient(f"127.0.0.1:{server.port}") as client:
-                with pytest.raises(errors.InvalidArgumentError, match=r"obs\.shape: expected \[2, 17\]"):
-                    await client.act(np.zeros((2, 5), np.float32))
+                for obs, message in UNARY_BAD_OBS.values():
+                    with pytest.raises(errors.InvalidArgumentError) as info:
+                        await client.act(obs)
+                    assert info.value.details == message
                 ans = await client.act(np.ones((2, OBS), np.float32))
                 assert ans.actions.shape == (2, ACT)
+                assert server.servicer.rejected_invalid == len(UNARY_BAD_OBS)
 
     run(main())
 

@@ -131,6 +131,9 @@ BAD_PPO_SETTINGS = {
     "ppo.max_policy_lag=-1": "--set: max_policy_lag must be >= 0, got -1",
     "ppo.baseline=median": "--set: baseline must be one of critic, group, got 'median'",
     "ppo.learning_rate=0": "--set: learning_rate and clip must be > 0",
+    "ppo.epochs=2.5": "--set: epochs: expected an integer, got 2.5",
+    "sync=maybe": "--set: sync: expected true or false, got 'maybe'",
+    "sync": "--set 'sync': expected key=value",
 }
 
 
@@ -153,6 +156,13 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
     assert cfg.env == RunConfig().env
     assert (cfg.envs, cfg.steps, cfg.sync) == (12, 5000, True)  # flag beats file, file beats default
     assert (cfg.ppo.epochs, cfg.ppo.learning_rate) == (7, 1e-3)  # --set beats file
+
+    file.write_text("[ppo]\ngamma = 1\n")  # a TOML integer where a number is wanted
+    gamma = load_config(None, str(file), {}, [])[0].ppo.gamma
+    assert gamma == 1.0 and isinstance(gamma, float)
+    file.write_text("envs = [8]\n")
+    with pytest.raises(ValueError, match=re.escape(f"{file}: envs: expected an integer, got [8]")):
+        load_config(None, str(file), {}, [])
 
     with pytest.raises(ValueError, match=r"--set: .*unknown setting"):
         load_config(None, None, {}, ["ppo.nonsense=1"])

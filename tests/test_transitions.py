@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,8 +204,24 @@ def test_sync_quota_is_per_env_so_uneven_streams_fill_one_segment_each() -> None
     asyncio.run(main())
 
 
-def test_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match="overflow must be one of"):
-        TransitionConfig(overflow="spill")
-    with pytest.raises(ValueError, match="needs weight_sync_interval = 1"):
-        TransitionConfig(sync_env_steps=32, weight_sync_interval=2)
+BAD_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "segment_steps": ({"segment_steps": 0}, "segment_steps must be >= 1, got 0"),
+    "max_pending_steps": (
+        {"segment_steps": 64, "max_pending_steps": 63},
+        "max_pending_steps (63) must be >= segment_steps (64)",
+    ),
+    "overflow": ({"overflow": "spill"}, "overflow must be one of ('block', 'drop'), got 'spill'"),
+    "sync_env_steps": ({"sync_env_steps": -1}, "sync_env_steps must be >= 0, got -1"),
+    "weight_sync_interval": ({"weight_sync_interval": 0}, "weight_sync_interval must be >= 1, got 0"),
+    "sync with interval": (
+        {"sync_env_steps": 32, "weight_sync_interval": 2},
+        "synchronous mode (sync_env_steps > 0) needs weight_sync_interval = 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_a_bad_learner_setting_is_refused_naming_it(case: str) -> None:
+    setting, message = BAD_SETTINGS[case]
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        TransitionConfig(**setting)

@@ -153,6 +153,17 @@ def test_a_bad_watchdog_setting_is_refused_naming_it(case: str) -> None:
         WatchdogConfig(**setting)  # type: ignore[arg-type]
 
 
+def test_a_bad_control_loop_setting_is_refused_naming_it() -> None:
+    clock = FakeClock()
+    dogs = [make(clock)[0] for _ in range(2)]
+    with pytest.raises(ValueError, match=r"^a control loop needs at least one watchdog$"):
+        ControlLoop([], clock=clock)
+    with pytest.raises(ValueError, match=re.escape("slots must be in [1, 2], got 3")):
+        ControlLoop(dogs, slots=3)
+    with pytest.raises(ValueError, match=re.escape("realtime_priority must be in [0, 99], got 100")):
+        ControlLoop(dogs, realtime_priority=100)
+
+
 def test_action_limits_and_poses_of_the_wrong_shape_are_refused_naming_them() -> None:
     clock = FakeClock()
     with pytest.raises(ValueError, match="action limits need the same shape and low <= high"):
