@@ -138,6 +138,36 @@ def test_edgerl_describe_sends_its_token(pki: DevPki, capsys: pytest.CaptureFixt
         assert json.loads(capsys.readouterr().out)["describe"]["obs_shape"] == [3]
 
 
+def test_edgerl_certs_writes_what_its_printed_commands_need(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``edgerl certs DIR --hosts NAME``, then its two printed commands' flags: a server with mutual
+    TLS and tokens, and a client that verifies the server as NAME and takes its token from
+    ``$EDGERL_TOKEN``."""
+    from edgerl.launch.cli import main
+
+    assert main(["certs", str(tmp_path / "pki"), "--hosts", "edge.local"]) == 0
+    wrote, serve, robot = capsys.readouterr().out.splitlines()
+    assert wrote.startswith(f"edgerl: wrote {tmp_path / 'pki' / 'ca.pem'}, "), wrote
+    server = dict(re.findall(r"--(\S+) (\S+)", serve))
+    client = dict(re.findall(r"--(\S+) (\S+)", robot))
+    assert set(server) == {"tls-cert", "tls-key", "tls-client-ca", "tokens"}
+    assert set(client) == {"tls-ca", "tls-cert", "tls-key"}
+    assert all(Path(f).is_file() for f in [*server.values(), *client.values()])
+    (robot_token,) = [t for t, caller in load_tokens(server["tokens"]).items() if caller.role == "robot"]
+    monkeypatch.setenv("EDGERL_TOKEN", robot_token)
+    settings = {k.replace("-", "_"): v for k, v in server.items()}
+    with ServerThread(EchoPolicy(3, 2), **settings) as srv:
+        flags = [f"--{k}={v}" for k, v in client.items()]
+        assert main(["describe", "--server", srv.address, *flags, "--tls-server-name", "edge.local"]) == 0
+        assert json.loads(capsys.readouterr().out)["describe"]["obs_shape"] == [3]
+        # the certificate covers the hosts given, and no other name
+        assert main(["describe", "--server", srv.address, *flags, "--tls-server-name", "localhost"]) == 1
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        assert srv.server is not None and srv.server.auth is not None
+        assert srv.server.auth.rejected_unauthenticated == 0  # the token came from the environment
+
+
 def test_robots_run_over_mutual_tls_with_a_token(pki: DevPki) -> None:
     cfg = {
         "tls_cert": str(pki.server_cert),
