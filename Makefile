@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto proto-check bench bench-learn bench-robot bench-llm cpp cpp-deps clean
+.PHONY: demo test coverage lint typecheck proto proto-check bench bench-learn bench-robot bench-llm cpp cpp-deps clean
 
 # What the C++ client (robot_client/cpp) builds against: the system gRPC and protobuf.
 CPP_DEBS := cmake g++ make pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
@@ -30,6 +30,15 @@ demo: $(STAMP)
 ## Every check CI runs: generated code fresh, lint, types, tests (the C++ client's included).
 test: $(LLM_STAMP) cpp-deps proto-check lint typecheck
 	EDGERL_REQUIRE_CPP=1 EDGERL_REQUIRE_LLM=1 $(BIN)/python -m pytest -q
+
+## Statement coverage of the tests, the processes they start included (edge servers, sim
+## workers, policy replicas, robot processes, `edgerl` commands): build/coverage/report.txt.
+coverage: $(LLM_STAMP) cpp-deps
+	rm -rf build/coverage && mkdir -p build/coverage
+	EDGERL_REQUIRE_CPP=1 EDGERL_REQUIRE_LLM=1 $(BIN)/coverage run -m pytest -q
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report > build/coverage/report.txt
+	tail -n 3 build/coverage/report.txt
 
 ## Install the C++ client's build dependencies with apt when they are missing (root or sudo).
 cpp-deps:
