@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 import stat
+import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,17 @@ from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.keeper import StreamSettings
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, run, running_server, wait_until, waited
+from tests.helpers import (
+    EDGERL,
+    EchoPolicy,
+    ServerThread,
+    act_once,
+    run,
+    running_server,
+    serving,
+    wait_until,
+    waited,
+)
 
 OBS, ACT = 3, 2
 _Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -437,36 +449,74 @@ def test_sim_worker_steps_real_envs_over_the_local_socket(tmp_path: Path) -> Non
     run(main())
 
 
-def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: Path) -> None:
-    path = str(tmp_path / "act.sock")
-    worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
+@contextlib.contextmanager
+def _stepping(worker: SimWorker) -> Iterator[dict[str, Any]]:
+    """``worker.run_blocking`` on a thread of its own during the block, stopped and closed at its
+    end; the dict it yields then holds the worker's ``progress``, or the ``error`` it raised."""
     stop = threading.Event()
     result: dict[str, Any] = {}
 
     def work() -> None:
         try:
             result["progress"] = worker.run_blocking(stop.is_set)
-        except Exception as exc:  # reported below
+        except Exception as exc:  # for the test to report
             result["error"] = exc
 
     thread = threading.Thread(target=work)
     thread.start()
     try:
-        time.sleep(0.5)  # no server yet: the worker retries
-        assert worker.progress.steps == 0
-        with ServerThread(_pendulum_backend(), local_socket=path) as server:
-            assert wait_until(lambda: worker.progress.steps > 500, timeout_s=30.0, poll_s=0.02)
-            server.kill()
-            time.sleep(0.3)
-            before = worker.progress.steps
-            server.restart()
-            assert wait_until(lambda: worker.progress.steps > before + 500, timeout_s=30.0, poll_s=0.02)
+        yield result
     finally:
         stop.set()
         thread.join(30)
         worker.close()
+
+
+def _steps_on(worker: SimWorker, steps: int = 500) -> bool:
+    """Whether the worker steps ``steps`` more env steps within 30 s."""
+    before = worker.progress.steps
+    return bool(wait_until(lambda: worker.progress.steps > before + steps, timeout_s=30.0, poll_s=0.02))
+
+
+def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "act.sock")
+    worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
+    with _stepping(worker) as result:
+        time.sleep(0.5)  # no server yet: the worker retries
+        assert worker.progress.steps == 0
+        with ServerThread(_pendulum_backend(), local_socket=path) as server:
+            assert _steps_on(worker)
+            server.kill()
+            time.sleep(0.3)
+            server.restart()
+            assert _steps_on(worker)
     assert "error" not in result, result
     assert result["progress"].reconnects >= 2  # before the server came, and at the restart
+
+
+def test_sim_worker_rides_through_a_server_process_killed_without_a_word(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``edgerl serve`` killed (SIGKILL: its streams get no goodbye, its socket file stays): the
+    worker finds its socket closed under it, says so, and steps on with the server started in
+    its place, which replaces the stale socket file."""
+    path = str(tmp_path / "act.sock")
+    command = ["--env", PENDULUM, "--local-socket", path]
+    worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
+    with _stepping(worker) as result:
+        with subprocess.Popen([*EDGERL, "serve", "--port", "0", *command], stdout=subprocess.PIPE) as first:
+            try:
+                assert _steps_on(worker)
+            finally:
+                first.kill()
+        assert os.path.exists(path)  # left behind
+        with serving(*command):
+            assert _steps_on(worker)
+    assert "error" not in result, result
+    # EOF, or ECONNRESET where the server died with bytes of the worker's unread
+    closed = [f"the server closed the local socket {path}", f"the local socket {path} failed"]
+    lost = "|".join(map(re.escape, closed))
+    assert re.search(rf"server {re.escape(path)} unavailable \(({lost})", caplog.text), caplog.text
 
 
 def test_worker_end_reassembles_answers_longer_than_one_read(tmp_path: Path) -> None:
