@@ -171,9 +171,8 @@ def _batch(
 def _update(
     tmp_path: Path, batch: Batch, version: int, **config: Any
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
-    cfg = TrainerConfig(
-        batch_steps=N, minibatch_size=16, epochs=2, max_policy_lag=1, seed=3, anneal_lr=False, **config
-    )
+    settings: dict[str, Any] = {"batch_steps": N, "minibatch_size": 16, "epochs": 2, "max_policy_lag": 1}
+    cfg = TrainerConfig(**{**settings, "seed": 3, "anneal_lr": False, **config})
     trainer = Trainer(
         cfg, build_policy("mlp-small", OBS, ACT, seed=0), "unused:0", tmp_path, tensorboard=False
     )
@@ -238,6 +237,20 @@ def test_group_baseline_trains_the_actor_and_leaves_the_critic_alone(tmp_path: P
     assert scalars["losses/value_loss"] == 0.0
     with pytest.raises(ValueError, match="baseline"):
         TrainerConfig(baseline="mean")
+
+
+def test_target_kl_ends_an_update_after_the_epoch_that_passed_it(tmp_path: Path) -> None:
+    batch = _batch(np.random.default_rng(0), np.full(N, 10, np.int64), np.zeros(N, bool), np.zeros(N, bool))
+    one, after_one = _update(tmp_path / "one", batch, version=10, epochs=1)
+    # any move passes a KL of 1e-12: the second of two epochs is not run
+    stopped, after_stopped = _update(tmp_path / "stopped", batch, version=10, target_kl=1e-12)
+    # a KL never reached: both epochs run
+    both, after_both = _update(tmp_path / "both", batch, version=10, target_kl=10.0)
+    assert (one["losses/early_stop"], stopped["losses/early_stop"], both["losses/early_stop"]) == (0, 1, 0)
+    assert stopped["losses/approx_kl"] > 1e-12
+    for p, q in zip(after_one, after_stopped, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert any(not torch.equal(p, q) for p, q in zip(after_one, after_both, strict=True))
 
 
 def test_masked_rows_do_not_move_the_policy(tmp_path: Path) -> None:

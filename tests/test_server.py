@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import threading
@@ -300,6 +301,7 @@ BAD_CASES = {
         "step.fallback: expected 0 or 2 values (one per env id), got 1",
     ),
     "no hello": ([_step(0, [0, 1], GOOD)], "FAILED_PRECONDITION", "must be a StreamHello"),
+    "hello twice": ([HELLO, HELLO], "FAILED_PRECONDITION", "hello: sent twice on one stream"),
     "hello no envs": (
         [pb.ActRequest(hello=pb.StreamHello(session_id="x", num_envs=0, obs_shape=[OBS]))],
         "INVALID_ARGUMENT",
@@ -404,6 +406,22 @@ def test_a_bad_server_setting_is_refused_naming_it(field: str) -> None:
     value, message = BAD_SETTINGS[field]
     with pytest.raises(ValueError, match=re.escape(message)):
         ServerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_a_server_reachable_beyond_loopback_without_tls_says_who_could_drive_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def serve_once(host: str) -> None:
+        async with running_server(EchoPolicy(OBS, ACT), host=host) as server:
+            answer = await act_once(f"127.0.0.1:{server.port}", GOOD)
+            assert answer.actions.shape == (2, ACT)
+
+    with caplog.at_level(logging.WARNING, logger="edgerl.edge_server.server"):
+        run(serve_once("127.0.0.1"))
+        assert "without TLS" not in caplog.text  # loopback: only this machine reaches it
+        run(serve_once("0.0.0.0"))
+    warning = "binding 0.0.0.0 without TLS: anyone who can reach this address can drive the policy"
+    assert [r.getMessage() for r in caplog.records if "without TLS" in r.getMessage()] == [warning]
 
 
 def test_keepalive_settings_are_checked() -> None:

@@ -123,6 +123,20 @@ def test_a_resumed_run_keeps_its_own_config_but_for_what_is_given_again(tmp_path
         load_config(None, None, {}, [], resume=tmp_path / "elsewhere")
 
 
+def test_resuming_a_run_that_saved_no_checkpoint_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgerl.launch.cli import main
+
+    config = dataclasses.asdict(load_config("InvertedPendulum-v5", None, {"envs": 4}, [])[0])
+    (tmp_path / "config.json").write_text(json.dumps(config))  # a run stopped before its first update
+    assert main(["train", "--run-dir", str(tmp_path), "--resume"]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == f"edgerl: error: --resume: no checkpoint in {tmp_path}"
+    assert out == ""  # no server, no workers
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # the run folder as it was
+
+
 BAD_PPO_SETTINGS = {
     "ppo.epochs=0": "--set: epochs must be >= 1, got 0",
     "ppo.minibatch_size=999999": "--set: minibatch_size (999999) must be <= batch_steps",
