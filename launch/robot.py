@@ -30,6 +30,8 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
 """Exit status of ``edgerl robot`` when a robot ended the run e-stopped (latched until reset)."""
+STATS_EVERY_S = 2.0
+"""How often ``edgerl robot`` prints a line of its robots' counts (seconds)."""
 
 log = logging.getLogger(__name__)
 
@@ -266,15 +268,29 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             host.start(stop.is_set)
             stack.callback(host.stop)
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
-            while not stop.is_set() and time.monotonic() < t_end:
-                stop.wait(min(2.0, max(0.0, t_end - time.monotonic())))
-                print(f"edgerl robot: {_line(host.stats())}", flush=True)
+            next_line = time.monotonic() + STATS_EVERY_S
+            # A control loop that died runs no tick, fallbacks included: stop at once (the robots
+            # are closed) rather than report a frozen host until the time is up.
+            while not stop.is_set() and host.control_error is None and (now := time.monotonic()) < t_end:
+                stop.wait(min(0.1, t_end - now))
+                now = time.monotonic()
+                if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
+                    next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end
+                    print(f"edgerl robot: {_line(host.stats())}", flush=True)
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
     print(jsonout.dumps({"robots": stats}, indent=2))
     if a.json:
         jsonout.write_json({"robots": stats}, a.json)
+    if host.control_error is not None:
+        print(
+            f"edgerl robot: the control loop stopped ({host.control_error!r}); no tick ran after "
+            "it, and the robots were closed",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     stopped = [s["robot"] for s in stats if s["estopped"]]
     if stopped:  # latched: a script running the robots must not take this run for a good one
         print(

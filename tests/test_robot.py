@@ -521,6 +521,42 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert "edgerl robot: ticks" in capsys.readouterr().out
 
 
+def test_edgerl_robot_ends_at_once_with_status_1_when_its_control_loop_stops(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tick runs once the control loop is gone, fallbacks included: the command says so and
+    ends, instead of reporting a frozen host until its time is up. A robot's own failures
+    become e-stops, so the fault is put into edgerl's stream: its hand-off after a slot raises."""
+    from edgerl.robot_client import runner
+
+    slots = 0
+    hand_off = runner._ThreadOutbox.after_slot
+
+    def breaks_at_the_50th(self: Any) -> None:
+        nonlocal slots
+        slots += 1
+        if slots == 50:
+            raise RuntimeError("the stream's books broke")
+        hand_off(self)
+
+    monkeypatch.setattr(runner._ThreadOutbox, "after_slot", breaks_at_the_50th)
+    out = tmp_path / "robot.json"
+    started = time.monotonic()
+    code = main(
+        ["robot", "--server", "127.0.0.1:1", "--robot-arg", "env=InvertedPendulum-v5", "--hz", "50",
+         "--seconds", "30", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
+         "--estop-after", "0", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 1
+    assert time.monotonic() - started < 10  # 1 s of ticks, not the 30 asked for
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        'edgerl robot: the control loop stopped (RuntimeError("the stream\'s books broke")); no tick ran '
+        "after it, and the robots were closed"
+    )
+    (r,) = json.loads(out.read_text())["robots"]
+    assert r["ticks"] == 50  # the slot's tick ran, then its hand-off raised
+
+
 def _strict_json(text: str) -> Any:
     """``text`` read as every JSON reader reads it: ``NaN`` and ``Infinity`` are refused."""
 

@@ -16,6 +16,7 @@ from edgerl.watchdog.clock import FakeClock, MonotonicClock
 from edgerl.watchdog.loop import ControlLoop
 from edgerl.watchdog.samples import Samples
 from edgerl.watchdog.watchdog import Fallback, Tick, TickKind, Watchdog, WatchdogConfig
+from tests.helpers import wait_until
 
 HZ = 50.0
 PERIOD = 1.0 / HZ
@@ -418,6 +419,34 @@ def test_after_slot_runs_after_every_slot_also_while_behind() -> None:
     behind = sum(a != "idle" and b != "idle" for a, b in itertools.pairwise(events))
     assert behind >= 2  # the stall put the loop behind; its slots were handed on all the same
     assert max(t.time - t.scheduled for t in ticks) > 0.005  # over a slot late
+
+
+def test_a_control_loop_that_raises_keeps_the_error_says_so_once_and_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def breaks_at(n: int) -> Callable[[], None]:
+        slots = itertools.count(1)
+
+        def after_slot() -> None:
+            if next(slots) == n:
+                raise RuntimeError(f"slot {n} broke")
+
+        return after_slot
+
+    rec = Recorder()
+    dog = Watchdog([-1.0], [1.0], rec, WatchdogConfig(hz=200.0, estop_after=0), clock=MonotonicClock())
+    loop = ControlLoop([dog], name="arm", after_slot=breaks_at(3))
+    loop.start()
+    assert wait_until(lambda: not loop._thread.is_alive(), timeout_s=5.0, poll_s=0.01)
+    assert repr(loop.error) == "RuntimeError('slot 3 broke')"
+    assert len(rec.ticks) == 3  # none after it
+    stopped = [r for r in caplog.records if r.getMessage() == "control loop arm stopped"]
+    assert len(stopped) == 1 and stopped[0].exc_info is not None  # with its traceback, once
+    loop.stop()  # a loop that ended stops at once
+    # run in the caller's thread (tests, a fake clock), the error is the caller's
+    clock = FakeClock()
+    with pytest.raises(RuntimeError, match=r"^slot 2 broke$"):
+        ControlLoop([make(clock)[0]], clock=clock, after_slot=breaks_at(2)).run_for(5)
 
 
 def test_samples_ring_keeps_the_last_window() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import os
@@ -74,7 +75,7 @@ class ControlLoop:
         self.realtime_priority = realtime_priority
         self.clock: Clock = clock or self.watchdogs[0].clock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run_thread, name=name, daemon=True)
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -105,6 +106,12 @@ class ControlLoop:
             self.error = exc
             log.exception("control loop %s stopped", self._thread.name)
             raise
+
+    def _run_thread(self) -> None:
+        """The loop's thread: an error ends it, kept in ``error`` and logged once by ``_run``
+        (not a second time by the thread's excepthook)."""
+        with contextlib.suppress(BaseException):
+            self._run()
 
     def _loop(self, max_ticks: int) -> None:
         start = self.clock.now()
