@@ -149,8 +149,9 @@ EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
 @contextlib.contextmanager
 def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``edgerl serve --port 0 ARGS`` running: yields its process and its first line of output
-    ("edgerl: serving ENV on ADDRESS"). After the block, unless the block stopped it, the server
-    gets SIGTERM, and the test fails unless it exits 0 within 60 s; a block that raised kills it."""
+    ("edgerl: serving ENV on ADDRESS"). After the block the server gets SIGTERM, and the test
+    fails unless it exits 0 within 60 s; a block that stopped it checks its exit itself, and a
+    block that raised kills it."""
     command = [*EDGERL, "serve", "--port", "0", *args]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
@@ -161,7 +162,7 @@ def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             raise
         if proc.poll() is None:
             proc.terminate()
-        assert proc.wait(timeout=60) == 0
+            assert proc.wait(timeout=60) == 0
 
 
 def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:

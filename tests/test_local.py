@@ -9,7 +9,6 @@ import os
 import re
 import socket
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,7 +29,6 @@ from edgerl.robot_client.keeper import StreamSettings
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig, _LocalEnd
 from edgerl.sim.envs import env_spec
 from tests.helpers import (
-    EDGERL,
     EchoPolicy,
     ServerThread,
     act_once,
@@ -504,11 +502,10 @@ def test_sim_worker_rides_through_a_server_process_killed_without_a_word(
     command = ["--env", PENDULUM, "--local-socket", path]
     worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
     with _stepping(worker) as result:
-        with subprocess.Popen([*EDGERL, "serve", "--port", "0", *command], stdout=subprocess.PIPE) as first:
-            try:
-                assert _steps_on(worker)
-            finally:
-                first.kill()
+        with serving(*command) as (first, _):
+            assert _steps_on(worker)
+            first.kill()
+            first.wait(timeout=60)
         assert os.path.exists(path)  # left behind
         with serving(*command):
             assert _steps_on(worker)
