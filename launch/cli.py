@@ -487,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
         "which steps used a fallback. Ctrl-C stops. At start it asks the server (Describe) for its "
         "action chunk and checks that its policy is for the robots: their observation and action "
         "shapes, and their env where both name one (a MujocoRobot does). "
-        "Exit status 1 when it is not (no robot starts) or when its control loop stopped, "
+        "Exit status 1 when it is not (no robot starts) or when its control loop failed (its last "
+        "ticks ramp the robots to their stop action), "
         f"{robot_cli.ESTOPPED_STATUS} when a robot ended e-stopped.",
     )
     robot_cli.add_arguments(p)

@@ -269,8 +269,8 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             stack.callback(host.stop)
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             next_line = time.monotonic() + STATS_EVERY_S
-            # A control loop that died runs no tick, fallbacks included: stop at once (the robots
-            # are closed) rather than report a frozen host until the time is up.
+            # A control loop that failed e-stops its robots and ends (control_error is set then):
+            # stop at once (the robots are closed) rather than report a frozen host until the time is up.
             while not stop.is_set() and host.control_error is None and (now := time.monotonic()) < t_end:
                 stop.wait(min(0.1, t_end - now))
                 now = time.monotonic()
@@ -284,9 +284,15 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     if a.json:
         jsonout.write_json({"robots": stats}, a.json)
     if host.control_error is not None:
+        # the loop's last ticks e-stopped them: each ramped to its stop action, within a bound
+        left = [link.robot.name or str(link.index) for link in host.links if not link.watchdog.at_stop_action]
+        fate = (
+            f"{len(left)} of {len(host.links)} robot(s) did not reach their stop action ({', '.join(left)})"
+            if left
+            else "the robots were ramped to their stop action"
+        )
         print(
-            f"edgerl robot: the control loop stopped ({host.control_error!r}); no tick ran after "
-            "it, and the robots were closed",
+            f"edgerl robot: the control loop stopped ({host.control_error!r}); {fate}, then closed",
             file=sys.stderr,
             flush=True,
         )

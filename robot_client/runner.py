@@ -753,6 +753,8 @@ class RobotHost:
 
     @property
     def control_error(self) -> BaseException | None:
+        """Why the control loop ended, once it has: its last ticks e-stopped the robots (see
+        :class:`~edgerl.watchdog.loop.ControlLoop`); a caller should stop the host then."""
         error: BaseException | None = self._control.error
         return error
 

@@ -17,6 +17,7 @@ from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
+from edgerl.robot_client.bags import read_bag
 from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.sim.envs import env_spec
@@ -521,12 +522,13 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert "edgerl robot: ticks" in capsys.readouterr().out
 
 
-def test_edgerl_robot_ends_at_once_with_status_1_when_its_control_loop_stops(
+def test_edgerl_robot_e_stops_its_robots_and_ends_with_status_1_when_its_control_loop_stops(
     tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No tick runs once the control loop is gone, fallbacks included: the command says so and
-    ends, instead of reporting a frozen host until its time is up. A robot's own failures
-    become e-stops, so the fault is put into edgerl's stream: its hand-off after a slot raises."""
+    """A control loop that fails ramps its robots to their stop action (they do not keep the
+    last action their drivers got), then the command says so and ends, instead of reporting a
+    frozen host until its time is up. A robot's own failures become e-stops, so the fault is put
+    into edgerl's stream: its hand-off after a slot raises."""
     from edgerl.robot_client import runner
 
     slots = 0
@@ -540,21 +542,33 @@ def test_edgerl_robot_ends_at_once_with_status_1_when_its_control_loop_stops(
         hand_off(self)
 
     monkeypatch.setattr(runner._ThreadOutbox, "after_slot", breaks_at_the_50th)
-    out = tmp_path / "robot.json"
+    out, bag = tmp_path / "robot.json", tmp_path / "bag"
     started = time.monotonic()
+    # no server: the fallback walks to the safe pose 2.0 (in 20 ticks), where the fault finds it
     code = main(
         ["robot", "--server", "127.0.0.1:1", "--robot-arg", "env=InvertedPendulum-v5", "--hz", "50",
-         "--seconds", "30", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
-         "--estop-after", "0", "--json", str(out)]
+         "--seconds", "30", "--connect-timeout-s", "0", "--estop-after", "0", "--fallback", "safe_pose",
+         "--safe-pose", "2.0", "--max-delta", "0.1", "--record", str(bag), "--json", str(out)]
     )  # fmt: skip
     assert code == 1
     assert time.monotonic() - started < 10  # 1 s of ticks, not the 30 asked for
     assert capsys.readouterr().err.splitlines()[-1] == (
-        'edgerl robot: the control loop stopped (RuntimeError("the stream\'s books broke")); no tick ran '
-        "after it, and the robots were closed"
+        'edgerl robot: the control loop stopped (RuntimeError("the stream\'s books broke")); the robots '
+        "were ramped to their stop action, then closed"
     )
     (r,) = json.loads(out.read_text())["robots"]
-    assert r["ticks"] == 50  # the slot's tick ran, then its hand-off raised
+    assert r["estopped"] and r["estops"] == 1
+    (ticks,) = read_bag(bag).values()
+    assert len(ticks) == r["ticks"]
+    estop = [t.step.estop for t in ticks]
+    assert estop == [False] * 50 + [True] * (len(ticks) - 50)  # the slot's tick ran, then the ramp
+    actions = np.array([t.action[0] for t in ticks])
+    assert actions[49] == pytest.approx(2.0)
+    ramp = actions[49:]
+    assert 20 <= len(ramp) - 1 <= 21  # 2.0 to 0 by 0.1 a tick (float32 may leave a sliver)
+    assert np.all(np.diff(ramp) < 0) and np.all(np.diff(ramp) >= -0.1 - 1e-6) and ramp[-1] == 0.0
+    tick_ms = np.diff([t.time_ns for t in ticks[49:]]) / 1e6
+    assert np.median(tick_ms) == pytest.approx(20.0, abs=2.0)  # at 50 Hz, as the loop ran
 
 
 def _strict_json(text: str) -> Any:

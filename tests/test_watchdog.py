@@ -421,25 +421,39 @@ def test_after_slot_runs_after_every_slot_also_while_behind() -> None:
     assert max(t.time - t.scheduled for t in ticks) > 0.005  # over a slot late
 
 
+def breaks_at(n: int, calls: list[int] | None = None) -> Callable[[], None]:
+    """An ``after_slot`` that raises at its ``n``-th call (and notes each call in ``calls``)."""
+    slots = itertools.count(1)
+
+    def after_slot() -> None:
+        k = next(slots)
+        if calls is not None:
+            calls.append(k)
+        if k == n:
+            raise RuntimeError(f"slot {n} broke")
+
+    return after_slot
+
+
 def test_a_control_loop_that_raises_keeps_the_error_says_so_once_and_ends(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def breaks_at(n: int) -> Callable[[], None]:
-        slots = itertools.count(1)
-
-        def after_slot() -> None:
-            if next(slots) == n:
-                raise RuntimeError(f"slot {n} broke")
-
-        return after_slot
-
     rec = Recorder()
-    dog = Watchdog([-1.0], [1.0], rec, WatchdogConfig(hz=200.0, estop_after=0), clock=MonotonicClock())
+    config = WatchdogConfig(hz=200.0, estop_after=0)
+    dog = Watchdog([-1.0], [1.0], rec, config, stop_action=[-1.0], clock=MonotonicClock())
     loop = ControlLoop([dog], name="arm", after_slot=breaks_at(3))
     loop.start()
-    assert wait_until(lambda: not loop._thread.is_alive(), timeout_s=5.0, poll_s=0.01)
+    assert wait_until(lambda: loop.error is not None, timeout_s=5.0, poll_s=0.01)
     assert repr(loop.error) == "RuntimeError('slot 3 broke')"
-    assert len(rec.ticks) == 3  # none after it
+    loop._thread.join(1.0)
+    assert not loop._thread.is_alive()  # the error is set once the loop is over
+    # its e-stop ramp ran (0 to -1 by 0.5 a tick, on the grid), then no tick
+    assert rec.kinds == [TickKind.FALLBACK] * 3 + [TickKind.ESTOP] * 2
+    np.testing.assert_array_equal(rec.actions[:, 0], [0.0, 0.0, 0.0, -0.5, -1.0])
+    assert [t.index for t in rec.ticks] == [0, 1, 2, 3, 4]
+    time.sleep(0.05)
+    assert len(rec.ticks) == 5
+    assert dog.at_stop_action and dog.stats().estops == 1
     stopped = [r for r in caplog.records if r.getMessage() == "control loop arm stopped"]
     assert len(stopped) == 1 and stopped[0].exc_info is not None  # with its traceback, once
     loop.stop()  # a loop that ended stops at once
@@ -447,6 +461,86 @@ def test_a_control_loop_that_raises_keeps_the_error_says_so_once_and_ends(
     clock = FakeClock()
     with pytest.raises(RuntimeError, match=r"^slot 2 broke$"):
         ControlLoop([make(clock)[0]], clock=clock, after_slot=breaks_at(2)).run_for(5)
+
+
+def test_a_failed_loop_ramps_every_robot_to_its_stop_action_on_the_grid_without_its_hooks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Robots a failed loop leaves do not keep the last action their drivers got: every watchdog
+    is e-stopped and ticked on, on its schedule, until it applied its stop action; the loop's
+    ``after_slot`` and ``idle`` (where the fault may be) are not called again."""
+    clock = FakeClock()
+    recs = []
+    dogs = []
+    for pose in (0.5, -0.3, 0.0):
+        rec = Recorder()
+        cfg = WatchdogConfig(hz=HZ, fallback=Fallback.SAFE_POSE, safe_pose=(pose, pose), max_delta=0.1)
+        dogs.append(Watchdog([-1.0] * 2, [1.0] * 2, rec, cfg, stop_action=[0.0, 0.2], clock=clock))
+        recs.append(rec)
+    calls: list[int] = []
+    idles: list[float] = []
+
+    def idle(s: float) -> None:
+        idles.append(s)
+        clock.advance(s)
+
+    loop = ControlLoop(dogs, clock=clock, slots=3, after_slot=breaks_at(24, calls), idle=idle)
+    with pytest.raises(RuntimeError, match=r"^slot 24 broke$"):
+        loop.run_for(100)
+    assert calls == list(range(1, 25)) and len(idles) == 23  # no hook after the fault
+    assert loop.error is not None
+    for dog, rec, pose in zip(dogs, recs, (0.5, -0.3, 0.0), strict=True):
+        kinds = rec.kinds
+        first = kinds.index(TickKind.ESTOP)
+        assert first == 8 and kinds[first:] == [TickKind.ESTOP] * (len(kinds) - first)
+        np.testing.assert_allclose(rec.actions[first - 1], [pose, pose], atol=1e-6)  # where it stood
+        ramp = rec.actions[first - 1 :]
+        assert np.all(np.abs(np.diff(ramp, axis=0)) <= 0.1 + 1e-6)  # rate-limited as always
+        stop = np.array([0.0, 0.2], np.float32)
+        np.testing.assert_array_equal(rec.actions[-1], stop)  # ends on the stop action
+        # ...and no later: the ramp is as short as the rate limit allows (float32 steps of 0.1
+        # may leave a sliver of 1e-8 for one more tick)
+        shortest = round(max(abs(pose), abs(pose - 0.2)) / 0.1)
+        assert shortest <= len(ramp) - 1 <= shortest + 1
+        assert dog.at_stop_action and dog.estopped and dog.stats().estops == 1
+        times = [t.scheduled for t in rec.ticks]
+        np.testing.assert_allclose(np.diff(times), PERIOD, atol=1e-9)  # on its grid throughout
+    assert sum("e-stopping its 3 watchdog(s)" in r.getMessage() for r in caplog.records) == 1
+    assert not any("did not reach" in r.getMessage() for r in caplog.records)
+
+
+def test_the_ramp_after_a_failure_is_bounded_and_a_watchdog_that_cannot_tick_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ramp longer than ``WIND_DOWN_MAX_S`` is cut there (the loop must end); a watchdog whose own
+    tick raises (here: the fault that ended the loop) is left, the others are still stopped."""
+    from edgerl.watchdog import loop as loop_module
+
+    class Broken(Watchdog):
+        def tick(self, index: int, scheduled: float, now: float) -> Tick:
+            if index >= 5:
+                raise RuntimeError("this watchdog broke")
+            return super().tick(index, scheduled, now)
+
+    clock = FakeClock()
+    slow_rec, ok_rec, broken_rec = Recorder(), Recorder(), Recorder()
+    slow = Watchdog([-1.0], [1.0], slow_rec, WatchdogConfig(max_delta=0.001), stop_action=[-1.0], clock=clock)
+    ok = Watchdog([-1.0], [1.0], ok_rec, WatchdogConfig(), stop_action=[1.0], clock=clock)
+    broken = Broken([-1.0], [1.0], broken_rec, WatchdogConfig(), stop_action=[1.0], clock=clock)
+    loop = ControlLoop([slow, ok, broken], clock=clock, name="cell")
+    with pytest.raises(RuntimeError, match=r"^this watchdog broke$"):
+        loop.run_for(100)
+    assert len(broken_rec.ticks) == 5 and not broken.at_stop_action and broken.estopped
+    assert ok.at_stop_action and ok_rec.actions[-1, 0] == 1.0
+    # the slow one moved 0.001 a tick for WIND_DOWN_MAX_S, then the loop gave up on it
+    ramp = [t for t in slow_rec.ticks if t.kind is TickKind.ESTOP]
+    span = ramp[-1].scheduled - ramp[0].scheduled  # its first tick comes up to a period after the fault
+    assert loop_module.WIND_DOWN_MAX_S - 1.5 * PERIOD < span <= loop_module.WIND_DOWN_MAX_S
+    assert slow_rec.actions[-1, 0] == pytest.approx(-0.001 * len(ramp), abs=1e-4)
+    assert not slow.at_stop_action
+    messages = [r.getMessage() for r in caplog.records]
+    assert "control loop cell: watchdog 2 failed to tick; left as it is" in messages
+    assert "control loop cell: 1 of 3 watchdog(s) did not reach their stop action" in messages
 
 
 def test_samples_ring_keeps_the_last_window() -> None:

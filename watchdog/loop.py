@@ -15,6 +15,9 @@ from edgerl.watchdog.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
+WIND_DOWN_MAX_S = 2.0
+"""The longest a control loop that failed goes on ticking its watchdogs toward their stop action."""
+
 
 @dataclass(order=True)
 class _Due:
@@ -49,6 +52,14 @@ class ControlLoop:
     called until it is. A tick found more than one period late skips to the
     next due time on its grid; the skipped ticks are counted as loop deadline
     misses.
+
+    A loop that fails (an error in ``after_slot``, ``idle`` or a tick, or an
+    interrupt in :meth:`run_for`) does not leave its robots where the error
+    found them: it latches an e-stop on every watchdog and goes on ticking
+    them on their schedule, without ``after_slot`` or ``idle`` (the error may
+    be theirs), until each has applied its stop action (rate-limited as
+    always: a few ticks by default), for at most ``WIND_DOWN_MAX_S``. Then it
+    ends with the error, kept in ``error``.
     """
 
     def __init__(
@@ -77,6 +88,7 @@ class ControlLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run_thread, name=name, daemon=True)
         self.error: BaseException | None = None
+        self._heap: list[_Due] = []  # the running loop's next tick of each watchdog
 
     def start(self) -> None:
         self._thread.start()
@@ -103,8 +115,13 @@ class ControlLoop:
         try:
             self._loop(max_ticks)
         except BaseException as exc:
-            self.error = exc
             log.exception("control loop %s stopped", self._thread.name)
+            try:
+                self._wind_down()
+            except Exception:
+                log.exception("control loop %s: the e-stop after it failed", self._thread.name)
+            finally:
+                self.error = exc  # set once the loop is over: no tick of it runs after this
             raise
 
     def _run_thread(self) -> None:
@@ -113,7 +130,8 @@ class ControlLoop:
         with contextlib.suppress(BaseException):
             self._run()
 
-    def _loop(self, max_ticks: int) -> None:
+    def _schedule(self) -> list[_Due]:
+        """Every watchdog's next tick, its slot's offset from now, as a heap."""
         start = self.clock.now()
         n = len(self.watchdogs)
         heap = []
@@ -122,6 +140,57 @@ class ControlLoop:
             k = dog.next_tick_index
             heap.append(_Due(t0, i, k, t0 - k * dog.config.period_s, dog))
         heapq.heapify(heap)
+        return heap
+
+    def _tick(self, due: _Due) -> float:
+        """Run ``due``'s tick (skipping ahead on its grid if it is more than a period late), move
+        it to its next one and return the time the tick was due."""
+        now = self.clock.now()
+        period = due.dog.config.period_s
+        late = int((now - due.when) / period)
+        if late > 0:
+            due.dog.missed(late)
+            due.index += late
+            due.when = due.t0 + due.index * period
+        slot = due.when
+        due.dog.tick(due.index, slot, now)
+        due.index += 1
+        due.when = due.t0 + due.index * period
+        return slot
+
+    def _wind_down(self) -> None:
+        """Latch an e-stop on every watchdog and tick each until it applied its stop action."""
+        n = len(self.watchdogs)
+        for dog in self.watchdogs:
+            dog.estop()
+        log.error("control loop %s: e-stopping its %d watchdog(s), for at most %gs",
+                  self._thread.name, n, WIND_DOWN_MAX_S)  # fmt: skip
+        # on the grid the loop ran on (a new one from now if it failed before it had one)
+        heap = [due for due in (self._heap or self._schedule()) if not due.dog.at_stop_action]
+        heapq.heapify(heap)
+        end = self.clock.now() + WIND_DOWN_MAX_S
+        never = threading.Event()  # a stop() meanwhile does not cut this short: it is bounded
+        while heap and heap[0].when <= end:
+            due = heap[0]
+            self.clock.sleep_until(due.when, never)
+            try:
+                self._tick(due)
+            except Exception:
+                log.exception("control loop %s: watchdog %d failed to tick; left as it is",
+                              self._thread.name, due.order)  # fmt: skip
+                heapq.heappop(heap)
+                continue
+            if due.dog.at_stop_action:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, due)
+        if heap:
+            log.error("control loop %s: %d of %d watchdog(s) did not reach their stop action",
+                      self._thread.name, len(heap), n)  # fmt: skip
+
+    def _loop(self, max_ticks: int) -> None:
+        self._heap = heap = self._schedule()
+        n = len(heap)
         done = 0
         while not self._stop.is_set():
             due = heap[0]
@@ -132,17 +201,7 @@ class ControlLoop:
                     self.idle(left)
             if self._stop.is_set():
                 return
-            now = self.clock.now()
-            period = due.dog.config.period_s
-            late = int((now - due.when) / period)
-            if late > 0:
-                due.dog.missed(late)
-                due.index += late
-                due.when = due.t0 + due.index * period
-            slot = due.when
-            due.dog.tick(due.index, slot, now)
-            due.index += 1
-            due.when = due.t0 + due.index * period
+            slot = self._tick(due)
             heapq.heapreplace(heap, due)
             done += 1
             last = bool(max_ticks) and done >= max_ticks * n

@@ -291,6 +291,16 @@ class Watchdog:
     def estopped(self) -> bool:
         return self._estopped
 
+    @property
+    def at_stop_action(self) -> bool:
+        """E-stopped, and the last action applied was the stop action (the ramp is over)."""
+        return self._estopped and bool(np.array_equal(self._last, self.stop_action))
+
+    def estop(self, why: str | None = None) -> None:
+        """Latch an e-stop from the loop's side (its thread, or once it has ended): the next
+        ticks ramp to the stop action. ``why`` is logged; None: the caller logs it."""
+        self._latch(why)
+
     def reset(self) -> None:
         """Clear a latched e-stop and the fallback streak; policy actions apply again."""
         with self._lock:
@@ -365,11 +375,12 @@ class Watchdog:
             return self._zero
         return self.safe_pose
 
-    def _latch(self, why: str) -> None:
+    def _latch(self, why: str | None) -> None:
         if not self._estopped:
             self._estopped = True
             self._counts["estops"] += 1
-            log.error("e-stop latched: %s; call reset() to resume", why)
+            if why is not None:
+                log.error("e-stop latched: %s; call reset() to resume", why)
 
     def _maybe_warn(self, now: float) -> None:
         if now - self._last_warning < self.config.warn_interval_s:
