@@ -64,7 +64,7 @@ class _Replica:
     def ready(self, timeout_s: float) -> dict[str, Any]:
         """The backend's description once the replica has built it."""
         if not self.conn.poll(timeout_s):
-            raise ReplicaError(f"policy replica {self.index} did not start within {timeout_s:.0f}s")
+            raise ReplicaError(f"policy replica {self.index} did not start within {timeout_s:g}s")
         info: dict[str, Any] = self.call_reply()
         return info
 
@@ -158,10 +158,15 @@ class ReplicatedBackend(PolicyBackend):
         Raises:
             ReplicaError: the replica died answering (the others serve on) or none is alive.
         """
-        replica = None if self._closed else self._free.get()
-        if replica is None:
-            self._free.put(None)
-            raise ReplicaError("no policy replica is alive" + (" (closed)" if self._closed else ""))
+        while True:
+            replica = None if self._closed else self._free.get()
+            if replica is None:
+                self._free.put(None)
+                raise ReplicaError("no policy replica is alive" + (" (closed)" if self._closed else ""))
+            with self._lock:
+                if replica in self._alive:
+                    break
+            # found dead while it was free (by load_weights): out of the queue, no batch fails on it
         try:
             result: PolicyResult = replica.call("infer", obs)
         except ReplicaError:

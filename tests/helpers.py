@@ -339,6 +339,13 @@ def slow_pid_echo(index: int, delay_s: float = 1.0) -> PolicyBackend:
     return PidEcho(4, 2, delay_s=delay_s)
 
 
+def pid_echo_built_in(index: int, build_s: float) -> PolicyBackend:
+    """A replica factory (picklable): a :class:`PidEcho` of 4 obs and 2 action dims that takes
+    ``build_s`` to build (deaf to a stop meanwhile, as a backend loading weights is)."""
+    time.sleep(build_s)
+    return PidEcho(4, 2)
+
+
 def run_a_later_grpc_loop() -> None:
     """Run a second event loop that uses gRPC (a call to a port nobody serves, then half a
     second), as the next task of a process would. Where an earlier loop left a gRPC completion

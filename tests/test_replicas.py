@@ -18,7 +18,15 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import PolicySpec, ServerProcess, build_backend, build_replica
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import ServerThread, act_once, broken_pid_echo, serving, slow_pid_echo, wait_until
+from tests.helpers import (
+    ServerThread,
+    act_once,
+    broken_pid_echo,
+    pid_echo_built_in,
+    serving,
+    slow_pid_echo,
+    wait_until,
+)
 
 OBS = np.random.default_rng(0).normal(size=(5, 17)).astype(np.float32)
 
@@ -102,6 +110,56 @@ def test_a_replica_that_dies_is_dropped_and_one_that_cannot_build_fails_the_star
         ReplicaError, match=r"policy replica [01] failed to build its backend: .*NoSuchEnv-v0"
     ):
         ReplicatedBackend(bad, 2)
+
+
+def test_a_replica_that_does_not_build_in_time_fails_the_start_and_is_killed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from edgerl.edge_server import replicas
+
+    monkeypatch.setattr(replicas, "STOP_TIMEOUT_S", 1.0)  # the stop it cannot hear, shortened
+    started: list[Any] = []
+    real = replicas._Replica.__init__
+
+    def keep(self: Any, *args: Any) -> None:
+        real(self, *args)
+        started.append(self)
+
+    monkeypatch.setattr(replicas._Replica, "__init__", keep)
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaError, match=r"^policy replica 0 did not start within 0\.5s$"):
+        ReplicatedBackend(functools.partial(pid_echo_built_in, build_s=60.0), 2, start_timeout_s=0.5)
+    assert time.monotonic() - t0 < 10.0  # neither waits out its minute
+    assert len(started) == 2 and all(r.proc.returncode == -signal.SIGKILL for r in started)
+    killed = [r.getMessage() for r in caplog.records if "killing it" in r.getMessage()]
+    assert killed == [f"policy replica {i} did not stop within 1s; killing it" for i in (0, 1)]
+    with pytest.raises(ValueError, match=r"^replicas must be >= 1, got 0$"):
+        ReplicatedBackend(slow_pid_echo, 0)
+
+
+def test_new_weights_skip_a_replica_that_died_and_fail_when_none_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp", seed=3, replicas=2))
+    try:
+        single, _ = build_backend(PolicySpec("HalfCheetah-v5", "mlp", seed=3))
+        weights = {k: v.detach().numpy().copy() for k, v in single.policy.state_dict().items()}
+        single.close()
+        weights["actor_log_std"][:] = -30.0
+        backend._replicas[1].proc.kill()
+        backend._replicas[1].proc.wait()
+        backend.load_weights(weights, 5)
+        assert backend.version == 5 and backend.replicas == 1  # the one alive took them
+        assert "policy replica 1 exited; 1 of 2 serve on" in caplog.messages
+        first = backend.infer(OBS).actions
+        np.testing.assert_allclose(backend.infer(OBS).actions, first, atol=1e-5)  # no noise left
+        backend._replicas[0].proc.kill()
+        backend._replicas[0].proc.wait()
+        with pytest.raises(ReplicaError, match=r"^no policy replica is alive$"):
+            backend.load_weights(weights, 6)
+        assert backend.version == 5
+    finally:
+        backend.close()
 
 
 def test_a_forward_pass_that_raises_in_a_replica_fails_its_caller_and_the_replica_serves_on() -> None:
