@@ -293,7 +293,10 @@ def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
             )
             (stats[name],) = _run(RobotHost([CounterRobot()], cfg), 1.5)
     assert stats["single"]["policy_ticks"] == 0 and stats["single"]["late_actions"] >= 5
-    assert stats["chunk"]["fallbacks"] <= 4 and stats["chunk"]["policy_ticks"] >= stats["chunk"]["ticks"] - 4
+    # the first ticks, before the first chunk, fall back; a stall of the machine over the 10 ms of
+    # margin (40 ms of actions left against 30 ms late) may cost a few more: 90 %, against 0 %
+    chunk = stats["chunk"]
+    assert chunk["ticks"] >= 60 and chunk["policy_ticks"] >= 0.9 * chunk["ticks"], chunk
 
 
 def test_edgerl_robot_takes_the_chunk_defaults_from_the_server(
