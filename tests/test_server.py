@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import SERVICE_NAME, BindError, EdgeServer, ServerConfig
+from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
@@ -476,6 +477,54 @@ def test_unary_validation_names_the_field() -> None:
                 ans = await client.act(np.ones((2, OBS), np.float32))
                 assert ans.actions.shape == (2, ACT)
                 assert server.servicer.rejected_invalid == len(UNARY_BAD_OBS)
+
+    run(main())
+
+
+IN_FLIGHT_CASES = {
+    "beyond max_inflight": (
+        1,
+        [2, 3],
+        "step: 1 requests already unanswered, the stream declared max_inflight=1",
+    ),
+    "env sent again": (
+        2,
+        [1, 2],
+        "step.env_ids: env 1 was sent again before its previous action was answered",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_FLIGHT_CASES))
+def test_a_step_the_stream_may_not_send_yet_gets_failed_precondition_and_others_go_on(case: str) -> None:
+    """A client that ignores what its hello declared (a second step beyond its ``max_inflight``)
+    or sends an env again before its action came (the transitions would lose the step between):
+    the stream is refused, the step answered before it included, and the others go on."""
+    inflight, second_ids, text = IN_FLIGHT_CASES[case]
+
+    async def main() -> None:
+        slow = EchoPolicy(OBS, ACT, delay_s=0.5)  # the first step is still in flight at the second
+        async with running_server(slow, max_delay_us=0, learner=TransitionConfig()) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with EdgeClient(address) as client:
+                healthy = await _healthy_stream(client, "healthy")
+                async with grpc.aio.insecure_channel(address) as ch:
+                    call = pb_grpc.EdgePolicyStub(ch).Act(timeout=10)
+                    hello = pb.StreamHello(
+                        session_id="eager", num_envs=4, obs_shape=[OBS], max_inflight=inflight
+                    )
+                    await call.write(pb.ActRequest(hello=hello))
+                    await call.write(_step(0, [0, 1], GOOD))
+                    await call.write(_step(1, second_ids, GOOD))
+                    first = await call.read()  # the step before the refused one is answered
+                    assert first.seq == 0 and list(first.env_ids) == [0, 1]
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call.read()
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert info.value.details() == text
+                await _round_trip(healthy)  # the other stream is still served
+                assert (await client.stats()).rejected_invalid == 1
+                await healthy.close()
 
     run(main())
 
