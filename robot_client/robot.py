@@ -77,7 +77,12 @@ class Robot(Protocol):
         """Start a new episode (a sim resets; a real robot returns to its start pose)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the robot; called once no tick of it runs any more. After a normal stop the
+        last action applied was whatever the loop had reached, so a real robot's driver should
+        leave it safe here (brakes, zero torque). After a failed loop, the loop's last ticks
+        already ramped it to :meth:`safe_action` (see ``ControlLoop``)."""
+        ...
 
 
 @dataclass(frozen=True)
