@@ -543,6 +543,57 @@ def test_the_ramp_after_a_failure_is_bounded_and_a_watchdog_that_cannot_tick_is_
     assert "control loop cell: 1 of 3 watchdog(s) did not reach their stop action" in messages
 
 
+def test_a_loop_whose_clock_fails_keeps_the_first_error_when_its_e_stop_fails_too(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class BrokenClock(FakeClock):
+        def sleep_until(self, deadline: float, stop: threading.Event) -> None:
+            if deadline > 0.05:
+                raise OSError("the clock broke")
+            super().sleep_until(deadline, stop)
+
+    clock = BrokenClock()
+    rec = Recorder()
+    dog = Watchdog([-1.0], [1.0], rec, WatchdogConfig(estop_after=0), stop_action=[0.5], clock=clock)
+    loop = ControlLoop([dog], clock=clock, name="arm")
+    with pytest.raises(OSError, match=r"^the clock broke$"):
+        loop.run_for(10)
+    assert repr(loop.error) == "OSError('the clock broke')"  # the loop's, not the ramp's
+    # ticks 0-2 (up to 0.04 s), then latched, but the ramp to 0.5 could not wait for its first tick
+    assert len(rec.ticks) == 3 and dog.estopped and not dog.at_stop_action
+    failed = [r for r in caplog.records if r.getMessage() == "control loop arm: the e-stop after it failed"]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+
+
+def test_a_real_time_loop_runs_its_own_thread_under_sched_fifo_or_says_why_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The priority is the loop thread's alone (never the process's); where the system refuses
+    it (no CAP_SYS_NICE), the loop runs on with a warning saying so."""
+    import os
+
+    seen: dict[str, int] = {}
+
+    def after_slot() -> None:
+        seen.setdefault("policy", os.sched_getscheduler(0))  # 0: the calling thread
+        seen.setdefault("priority", os.sched_getparam(0).sched_priority)
+
+    dog = Watchdog([-1.0], [1.0], Recorder(), WatchdogConfig(hz=200.0, estop_after=0), clock=MonotonicClock())
+    loop = ControlLoop([dog], name="rt", after_slot=after_slot, realtime_priority=7)
+    loop.start()
+    try:
+        assert wait_until(lambda: "priority" in seen, timeout_s=5.0, poll_s=0.01)
+    finally:
+        loop.stop()
+    assert loop.error is None
+    warned = [r.getMessage() for r in caplog.records if "without real-time priority" in r.getMessage()]
+    if warned:
+        assert seen["policy"] == os.SCHED_OTHER and len(warned) == 1
+    else:
+        assert seen == {"policy": os.SCHED_FIFO, "priority": 7}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is as it was
+
+
 def test_samples_ring_keeps_the_last_window() -> None:
     s = Samples(4)
     assert len(s) == 0 and np.isnan(s.percentile_ms(50))
