@@ -69,6 +69,8 @@ class ContractBreaker(edge_pb2_grpc.EdgePolicyServicer):
                 return  # status OK with the step unanswered
             elif self.fault == "aborts":
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full (4096 rows)")
+            elif self.fault == "stops_reading":
+                await asyncio.sleep(30)  # hung: takes no more messages, answers nothing
             else:
                 raise AssertionError(self.fault)
 
@@ -125,6 +127,31 @@ def test_an_answer_that_breaks_the_contract_is_a_named_error(fault: str) -> None
             with pytest.raises(errors.EdgeRLError) as info:
                 await _one_step(address)
             assert type(info.value) is cls and str(info.value) == message
+
+    run(main())
+
+
+def test_a_server_that_stops_reading_fails_a_send_at_its_deadline_instead_of_hanging_it() -> None:
+    """Once HTTP/2 flow control holds the client's writes, a send waits at most the stream's
+    timeout for the one before it, then names the failure."""
+    row = np.zeros((1, 65536), np.float32)  # 256 KiB a message
+
+    async def main() -> None:
+        async with serving(ContractBreaker("stops_reading")) as (address, _):
+            async with EdgeClient(address, timeout_s=0.5) as client:
+                stream = await client.open_stream(
+                    session_id="s", num_envs=1024, obs_shape=row.shape[1:], max_inflight=1024
+                )
+                sent = 0
+                t0 = time.monotonic()
+                with pytest.raises(
+                    errors.DeadlineExceededError, match=r"^DEADLINE_EXCEEDED: a write took over 0.5s$"
+                ):
+                    for i in range(400):  # 100 MiB, far beyond any window
+                        await stream.send([i], row, [0.0], [False], [False])
+                        sent += 1
+                assert 1 <= sent < 400 and time.monotonic() - t0 < 30.0
+                await stream.close()
 
     run(main())
 
