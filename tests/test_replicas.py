@@ -151,6 +151,8 @@ def test_new_weights_skip_a_replica_that_died_and_fail_when_none_is_left(
         backend.load_weights(weights, 5)
         assert backend.version == 5 and backend.replicas == 1  # the one alive took them
         assert "policy replica 1 exited; 1 of 2 serve on" in caplog.messages
+        # the dead one, still in the queue of free replicas, is not handed to a batch (it was,
+        # and failed the batch with "exited")
         first = backend.infer(OBS).actions
         np.testing.assert_allclose(backend.infer(OBS).actions, first, atol=1e-5)  # no noise left
         backend._replicas[0].proc.kill()
