@@ -451,8 +451,6 @@ def test_a_control_loop_that_raises_keeps_the_error_says_so_once_and_ends(
     assert rec.kinds == [TickKind.FALLBACK] * 3 + [TickKind.ESTOP] * 2
     np.testing.assert_array_equal(rec.actions[:, 0], [0.0, 0.0, 0.0, -0.5, -1.0])
     assert [t.index for t in rec.ticks] == [0, 1, 2, 3, 4]
-    time.sleep(0.05)
-    assert len(rec.ticks) == 5
     assert dog.at_stop_action and dog.stats().estops == 1
     stopped = [r for r in caplog.records if r.getMessage() == "control loop arm stopped"]
     assert len(stopped) == 1 and stopped[0].exc_info is not None  # with its traceback, once
