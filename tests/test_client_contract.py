@@ -26,7 +26,7 @@ from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
-from tests.helpers import run
+from tests.helpers import act_once, run
 
 OBS = 3
 ACT = 2
@@ -76,7 +76,9 @@ class ContractBreaker(edge_pb2_grpc.EdgePolicyServicer):
 
 
 @asynccontextmanager
-async def serving(servicer: Any = None, *, health_status: Any = None) -> AsyncIterator[tuple[str, Any]]:
+async def contract_server(
+    servicer: Any = None, *, health_status: Any = None
+) -> AsyncIterator[tuple[str, Any]]:
     """A loopback server with ``servicer`` and, unless ``health_status`` is None, a health
     service reporting it for the whole server; yields its address and the health servicer."""
     server = grpc.aio.server()
@@ -93,17 +95,6 @@ async def serving(servicer: Any = None, *, health_status: Any = None) -> AsyncIt
         yield f"127.0.0.1:{port}", checker
     finally:
         await server.stop(None)
-
-
-async def _one_step(address: str) -> None:
-    """Open a stream, send one step and read its answer."""
-    async with EdgeClient(address, timeout_s=5.0) as client:
-        stream = await client.open_stream(session_id="s", num_envs=2, obs_shape=(OBS,))
-        try:
-            await stream.send([0, 1], np.zeros((2, OBS)), [0.0, 0.0], [False, False], [False, False])
-            await stream.recv()
-        finally:
-            await stream.close()
 
 
 FAULTS: dict[str, tuple[type[errors.EdgeRLError], str]] = {
@@ -123,9 +114,9 @@ def test_an_answer_that_breaks_the_contract_is_a_named_error(fault: str) -> None
     cls, message = FAULTS[fault]
 
     async def main() -> None:
-        async with serving(ContractBreaker(fault)) as (address, _):
+        async with contract_server(ContractBreaker(fault)) as (address, _):
             with pytest.raises(errors.EdgeRLError) as info:
-                await _one_step(address)
+                await act_once(address, np.zeros((2, OBS), np.float32), session_id="s", timeout_s=5.0)
             assert type(info.value) is cls and str(info.value) == message
 
     run(main())
@@ -137,7 +128,7 @@ def test_a_server_that_stops_reading_fails_a_send_at_its_deadline_instead_of_han
     row = np.zeros((1, 65536), np.float32)  # 256 KiB a message
 
     async def main() -> None:
-        async with serving(ContractBreaker("stops_reading")) as (address, _):
+        async with contract_server(ContractBreaker("stops_reading")) as (address, _):
             async with EdgeClient(address, timeout_s=0.5) as client:
                 stream = await client.open_stream(
                     session_id="s", num_envs=1024, obs_shape=row.shape[1:], max_inflight=1024
@@ -160,7 +151,10 @@ def test_wait_ready_waits_while_the_server_is_not_serving() -> None:
     """NOT_SERVING (a server still loading its policy) is waited out, not taken for an answer."""
 
     async def main() -> None:
-        async with serving(health_status=health_pb2.HealthCheckResponse.NOT_SERVING) as (address, checker):
+        async with contract_server(health_status=health_pb2.HealthCheckResponse.NOT_SERVING) as (
+            address,
+            checker,
+        ):
             async with EdgeClient(address) as client:
 
                 async def serve_later() -> None:
@@ -186,7 +180,7 @@ def test_wait_ready_fails_at_once_on_a_server_without_the_health_service() -> No
     """A server that answers, but not the health check, is not waited for until the timeout."""
 
     async def main() -> None:
-        async with serving(ContractBreaker("aborts")) as (address, _):
+        async with contract_server(ContractBreaker("aborts")) as (address, _):
             async with EdgeClient(address) as client:
                 t0 = time.monotonic()
                 with pytest.raises(errors.RpcError) as info:
