@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import threading
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from edgerl.watchdog.clock import FakeClock, MonotonicClock
-from edgerl.watchdog.loop import ControlLoop
+from edgerl.watchdog.loop import WIND_DOWN_MAX_S, ControlLoop
 from edgerl.watchdog.samples import Samples
 from edgerl.watchdog.watchdog import Fallback, Tick, TickKind, Watchdog, WatchdogConfig
 from tests.helpers import wait_until
@@ -512,7 +513,6 @@ def test_the_ramp_after_a_failure_is_bounded_and_a_watchdog_that_cannot_tick_is_
 ) -> None:
     """A ramp longer than ``WIND_DOWN_MAX_S`` is cut there (the loop must end); a watchdog whose own
     tick raises (here: the fault that ended the loop) is left, the others are still stopped."""
-    from edgerl.watchdog import loop as loop_module
 
     class Broken(Watchdog):
         def tick(self, index: int, scheduled: float, now: float) -> Tick:
@@ -533,7 +533,7 @@ def test_the_ramp_after_a_failure_is_bounded_and_a_watchdog_that_cannot_tick_is_
     # the slow one moved 0.001 a tick for WIND_DOWN_MAX_S, then the loop gave up on it
     ramp = [t for t in slow_rec.ticks if t.kind is TickKind.ESTOP]
     span = ramp[-1].scheduled - ramp[0].scheduled  # its first tick comes up to a period after the fault
-    assert loop_module.WIND_DOWN_MAX_S - 1.5 * PERIOD < span <= loop_module.WIND_DOWN_MAX_S
+    assert WIND_DOWN_MAX_S - 1.5 * PERIOD < span <= WIND_DOWN_MAX_S
     assert slow_rec.actions[-1, 0] == pytest.approx(-0.001 * len(ramp), abs=1e-4)
     assert not slow.at_stop_action
     messages = [r.getMessage() for r in caplog.records]
@@ -568,8 +568,6 @@ def test_a_real_time_loop_runs_its_own_thread_under_sched_fifo_or_says_why_not(
 ) -> None:
     """The priority is the loop thread's alone (never the process's); where the system refuses
     it (no CAP_SYS_NICE), the loop runs on with a warning saying so."""
-    import os
-
     seen: dict[str, int] = {}
 
     def after_slot() -> None:
