@@ -23,7 +23,7 @@ from edgerl.launch.processes import on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, RobotKind, load_robot, robot_class
-from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
+from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotLink, RobotRunnerConfig, chunk_defaults
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
@@ -224,6 +224,11 @@ def runner_config(a: argparse.Namespace, chunk: int = 1) -> RobotRunnerConfig:
     )
 
 
+def _label(link: RobotLink) -> str:
+    """The robot's name in a message, or its index where it has none (a lone robot is given no name)."""
+    return link.robot.name or f"robot {link.index}"
+
+
 def _line(stats: list[dict[str, Any]]) -> str:
     ticks = sum(s["ticks"] for s in stats)
     fb = sum(s["fallbacks"] for s in stats)
@@ -285,7 +290,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         jsonout.write_json({"robots": stats}, a.json)
     if host.control_error is not None:
         # the loop's last ticks e-stopped them: each ramped to its stop action, within a bound
-        left = [link.robot.name or str(link.index) for link in host.links if not link.watchdog.at_stop_action]
+        left = [_label(link) for link in host.links if not link.watchdog.at_stop_action]
         fate = (
             f"{len(left)} of {len(host.links)} robot(s) did not reach their stop action ({', '.join(left)})"
             if left
@@ -297,7 +302,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             flush=True,
         )
         return 1
-    stopped = [s["robot"] for s in stats if s["estopped"]]
+    stopped = [_label(link) for link in host.links if link.watchdog.estopped]
     if stopped:  # latched: a script running the robots must not take this run for a good one
         print(
             f"edgerl robot: {len(stopped)} of {len(stats)} robot(s) ended e-stopped: {', '.join(stopped)}",

@@ -583,17 +583,26 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
+@pytest.mark.parametrize(
+    ("robot", "robots", "named"),
+    [
+        (COUNTER, 1, "robot 0"),  # a lone robot is given no name: the message names it by its index
+        (["--robot-arg", "env=InvertedPendulum-v5"], 2, "robot-0, robot-1"),
+    ],
+)
 def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_json(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], robot: list[str], robots: int, named: str
 ) -> None:
     out = tmp_path / "robot.json"
     code = main(  # the deadline and refill given: the server is not asked for its chunk either
-        ["robot", "--server", "127.0.0.1:1", "--robot-arg", "env=InvertedPendulum-v5", "--hz", "50",
+        ["robot", "--server", "127.0.0.1:1", *robot, "--hz", "50", "--robots", str(robots),
          "--seconds", "1.5", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
          "--estop-after", "20", "--json", str(out)]
     )  # fmt: skip
     assert code == ESTOPPED_STATUS == 3  # the run is not taken for a good one
-    (r,) = _strict_json(out.read_text())["robots"]
+    written = _strict_json(out.read_text())["robots"]
+    assert len(written) == robots
+    r = written[-1]
     assert r["ticks"] >= 50 and r["fallbacks"] == r["ticks"] and r["policy_ticks"] == 0
     assert r["estopped"] and r["max_consecutive_fallbacks"] == r["ticks"]
     # no answer, so no latency or action age: null, where Python's json would write NaN
@@ -601,8 +610,8 @@ def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_js
     assert r["tick_jitter_ms_p99"] > 0  # the loop's own timing was measured
     stdout, stderr = capsys.readouterr()
     assert "latency p50 - (no answer yet)" in stdout
-    assert "1 of 1 robot(s) ended e-stopped: " in stderr
-    assert _strict_json(stdout[stdout.index("{") :]) == {"robots": [r]}  # printed as written
+    assert stderr.splitlines()[-1] == f"edgerl robot: {robots} of {robots} robot(s) ended e-stopped: {named}"
+    assert _strict_json(stdout[stdout.index("{") :]) == {"robots": written}  # printed as written
 
 
 def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
