@@ -276,6 +276,8 @@ class _Outbox:
                 self.links[i].release()
             return
         self._rows.extend(batch)
+        for i, _ in batch:
+            self.links[i].counts["requests"] += 1
 
     def _up(self, epoch: int) -> None:
         self.epoch = epoch

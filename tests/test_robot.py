@@ -257,7 +257,9 @@ def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
         )
         (s,) = _run(RobotHost([robot], cfg), 1.5)
     assert s["fallbacks"] <= 2
-    assert s["requests"] <= s["ticks"] / 2.5  # a request every 3 ticks, not every tick
+    # a request every 3 ticks, not every tick: each request is counted, each answered
+    assert s["ticks"] / 5 <= s["requests"] <= s["ticks"] / 2.5
+    assert s["requests"] - 1 <= s["answers"] <= s["requests"]
     assert s["action_age_ms_p99"] > 40.0  # later actions of a chunk are older
 
 
