@@ -244,18 +244,22 @@ def read_bag(path: str | Path) -> dict[str, list[BagTick]]:
     return out
 
 
+_Row = tuple[BagTick, BagTick, bool]
+"""A transition of a bag: (the tick before, the tick, masked as an autoreset row)."""
+
+
 def _segment(
-    robot: str, rows: list[tuple[BagTick, BagTick]], bootstrap: np.ndarray, *, seq: int, episode: int, t: int
+    robot: str, rows: list[_Row], bootstrap: np.ndarray, *, seq: int, episode: int, t: int
 ) -> pb.Segment:
-    steps = [cur.step for _, cur in rows]
+    steps = [cur.step for _, cur, _ in rows]
     return pb.Segment(
         seq=seq,
         session_id=robot,
         env_id=0,
         episode=episode,
         t=t,
-        obs=tensors.float32(np.stack([prev.obs for prev, _ in rows])),
-        actions=tensors.float32(np.stack([cur.action for _, cur in rows])),
+        obs=tensors.float32(np.stack([prev.obs for prev, _, _ in rows])),
+        actions=tensors.float32(np.stack([cur.action for _, cur, _ in rows])),
         log_probs=[0.0 if math.isnan(x.log_prob) else x.log_prob for x in steps],
         values=[0.0] * len(rows),
         policy_versions=[x.policy_version for x in steps],
@@ -263,7 +267,7 @@ def _segment(
         terminated=[x.terminated for x in steps],
         truncated=[x.truncated for x in steps],
         fallback=[x.fallback for x in steps],
-        autoreset=[x.reset for x in steps],
+        autoreset=[masked for _, _, masked in rows],
         bootstrap_obs=tensors.float32(bootstrap),
     )
 
@@ -274,15 +278,19 @@ def bag_to_segments(path: str | Path, segment_steps: int = 32) -> list[pb.Segmen
     Row ``j`` of a robot is (observation of tick ``j-1``, action of tick ``j``) with the
     reward and flags of tick ``j``; a robot's first tick has no observation before it and
     starts no row. The row of a reset tick (autoreset) closes its episode's last segment.
+    The rows between an episode's last tick and the reset (an e-stopped robot is held, not
+    reset, until its e-stop is reset) are masked as autoreset rows too.
     """
     if segment_steps < 1:
         raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
     segments: list[pb.Segment] = []
     for robot, ticks in sorted(read_bag(path).items()):
         episode, t = 0, 0
-        rows: list[tuple[BagTick, BagTick]] = []
+        rows: list[_Row] = []
+        ended = False  # the episode has ended and the robot was not reset yet
         for prev, cur in itertools.pairwise(ticks):
-            rows.append((prev, cur))
+            rows.append((prev, cur, ended or cur.step.reset))
+            ended = (ended or cur.step.terminated or cur.step.truncated) and not cur.step.reset
             if cur.step.reset or len(rows) == segment_steps:
                 segments.append(_segment(robot, rows, cur.obs, seq=len(segments) + 1, episode=episode, t=t))
                 episode, t = (episode + 1, 0) if cur.step.reset else (episode, t + len(rows))

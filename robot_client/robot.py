@@ -74,7 +74,9 @@ class Robot(Protocol):
         ...
 
     def reset(self) -> Reading:
-        """Start a new episode (a sim resets; a real robot returns to its start pose)."""
+        """Start a new episode (a sim resets; a real robot returns to its start pose). Never
+        called while the robot is e-stopped: an episode that ends then waits for the e-stop's
+        reset, and the e-stop's ticks go on applying its stop action meanwhile."""
         ...
 
     def close(self) -> None:

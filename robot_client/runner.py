@@ -58,7 +58,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus
-from edgerl.robot_client.robot import Reading, Robot, RobotKind
+from edgerl.robot_client.robot import Reading, Robot, RobotKind, RobotState
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.loop import ControlLoop, slot_count
@@ -526,6 +526,9 @@ class RobotLink:
 
     def _tick(self, tick: Tick) -> None:
         robot = self.robot
+        if self._reset_next and self.watchdog.estopped:
+            self._hold(tick)
+            return
         was_reset = self._reset_next
         if was_reset:  # the action of the tick after an episode's end is not applied
             reading = robot.reset()
@@ -573,6 +576,17 @@ class RobotLink:
             self._final = req
             return
         outbox.post(self.index, req)
+
+    def _hold(self, tick: Tick) -> None:
+        """A tick of an e-stopped robot whose episode has ended: no reset until the e-stop's.
+
+        A reset would move a real robot (to its start pose). The tick's action (the e-stop's
+        ramp to the stop action) is applied instead; no episode runs, so the reading is
+        recorded with no reward or episode flags, and nothing goes to the server.
+        """
+        self.robot.apply(tick.action)
+        if self.on_tick is not None:
+            self.on_tick(self.index, tick, RobotState(self.robot.read().obs), False)
 
     # -- the stream's side ----------------------------------------------------
 

@@ -16,6 +16,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.cli import main
+from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
 from edgerl.robot_client.bags import (
     STEP_TYPE,
@@ -24,6 +25,7 @@ from edgerl.robot_client.bags import (
     bag_info,
     bag_to_segments,
     load_transitions,
+    read_bag,
     save_transitions,
     typestore,
 )
@@ -139,6 +141,29 @@ def test_bag_cli(session: tuple[Path, Any], tmp_path: Path, capsys: pytest.Captu
     assert all(len(s.rewards) <= 8 for s in load_transitions(out))
     assert main(["bag", "msg"]) == 0
     assert "uint64 policy_version" in capsys.readouterr().out
+
+
+def test_a_robot_e_stopped_when_its_episode_ends_is_held_and_its_rows_are_masked(tmp_path: Path) -> None:
+    bag = tmp_path / "held"
+    # no server: the robot runs on fallbacks, e-stops after 20 ticks, and the pole falls later
+    code = main(
+        ["robot", "--server", "127.0.0.1:1", "--robot-arg", f"env={ENV}", "--hz", "50", "--seconds", "3",
+         "--connect-timeout-s", "0", "--estop-after", "20", "--record", str(bag)]
+    )  # fmt: skip
+    assert code == ESTOPPED_STATUS
+    ((robot, ticks),) = read_bag(bag).items()
+    steps = [t.step for t in ticks]
+    end = next(k for k, step in enumerate(steps) if step.terminated or step.truncated)
+    held = steps[end + 1 :]
+    assert steps[end].estop and len(held) >= 25  # the pole fell under the e-stop, 0.5 s before the end
+    # held, not reset (a reset moves a real robot), on the e-stop's ticks: no reward, no episode
+    assert all(step.estop and not (step.reset or step.terminated or step.truncated) for step in held)
+    assert not any(step.reward for step in held)
+    segments = bag_to_segments(bag, segment_steps=16)
+    autoreset = [masked for s in segments for masked in s.autoreset]
+    # row j holds tick j's flags: the episode's rows are transitions, the rows after it are masked
+    assert autoreset == [False] * end + [True] * len(held)
+    assert bag_info(bag)["robots"][robot]["episodes_ended"] == 1
 
 
 def _string_bag(path: Path, topic: str) -> Path:

@@ -246,6 +246,75 @@ def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -
     np.testing.assert_allclose(robot.applied[-1], [robot.count - 1, 0.0])
 
 
+class EndingRobot(CounterRobot):
+    """A :class:`CounterRobot` whose episode ends after ``length`` actions and stays ended (a
+    fallen pendulum) until it is reset."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+        self.since_reset = 0
+        self.resets = 0
+
+    def apply(self, action: np.ndarray) -> None:
+        super().apply(action)
+        self.since_reset += 1
+
+    def read(self) -> RobotState:
+        obs = np.array([self.count, self.rid, 0.0], np.float32)
+        return RobotState(obs, reward=1.0, terminated=self.since_reset >= self.length)
+
+    def reset(self) -> RobotState:
+        self.resets += 1
+        self.since_reset = 0
+        return self.read()
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+        time.sleep(0.01)
+
+
+def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_stop_is() -> None:
+    """A reset moves a real robot (to its start pose): under an e-stop the robot is not reset."""
+    robot = EndingRobot(length=30)
+    seen: list[tuple[Tick, Any, bool]] = []
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        host = RobotHost(
+            [robot], _config(srv.address, watchdog={"estop_after": 5}), on_tick=lambda *t: seen.append(t[1:])
+        )
+        with host:
+            (link,) = host.links
+            _wait_for(lambda: robot.resets >= 1, "reset on policy actions")  # episodes end and reset
+            srv.kill()
+            _wait_for(lambda: link.watchdog.estopped, "e-stop")
+            srv.restart()
+            _wait_for(lambda: robot.since_reset >= robot.length and host.connected, "episode end")
+            time.sleep(0.2)
+            count, resets = robot.count, robot.resets
+            requests, episodes = link.counts["requests"], link.counts["episodes"]
+            time.sleep(0.5)
+            # held: ticks ran (the e-stop's actions applied), no reset, no request, no episode
+            assert host.connected and robot.count > count + 20
+            assert robot.resets == resets
+            assert (link.counts["requests"], link.counts["episodes"]) == (requests, episodes)
+            link.watchdog.reset()  # the operator's reset: the robot is reset, the policy drives it
+            _wait_for(lambda: robot.resets == resets + 1, "reset after the e-stop's")
+            _wait_for(lambda: link.counts["requests"] > requests + 5, "requests after the reset")
+    estop_at = next(k for k, (tick, _, _) in enumerate(seen) if tick.kind == TickKind.ESTOP)
+    end = next(k for k in range(estop_at, len(seen)) if seen[k][1].terminated)
+    reset = next(k for k in range(end, len(seen)) if seen[k][2])
+    held = seen[end + 1 : reset]
+    assert len(held) >= 0.5 * HZ
+    for tick, reading, _ in held:  # the stop action (zero) applied; no reward or episode flags
+        assert tick.kind == TickKind.ESTOP and not tick.action.any()
+        assert (reading.reward, reading.terminated, reading.truncated) == (0.0, False, False)
+    assert sum(was_reset for _, _, was_reset in seen[estop_at:]) == 1  # only the one after the e-stop's
+    assert any(tick.kind == TickKind.POLICY for tick, _, _ in seen[reset:])
+
+
 @BOTH_STREAMS
 def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
     net = build_policy("mlp-small", 3, 2 * 4, seed=0)
