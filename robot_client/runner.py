@@ -71,6 +71,10 @@ MAX_BACKLOG_BYTES = 8 << 20
 """Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
 RESTART_DELAY_S = 1.0
 """A network process that ended is replaced after this long (seconds)."""
+HANG_GRACE_S = 1.0
+"""A network process that holds unanswered observations and says nothing for twice the
+stream's ``timeout_s`` and this long (seconds) is hung, and is replaced: a live one answers
+them, or reports its stream failed, within ``timeout_s``."""
 
 
 DEFAULT_DEADLINE_MS = 20.0
@@ -368,6 +372,7 @@ class _ProcessOutbox(_Outbox):
         self._out = bytearray()
         self._in = bytearray()
         self._restart_at = math.inf
+        self._heard_at = math.inf  # the last word from the network process, or the first row since
         self._closing = False
         self._timers: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._timer_seq = 0
@@ -418,6 +423,8 @@ class _ProcessOutbox(_Outbox):
     def _emit(self, batch: list[tuple[int, _Request]]) -> bool:
         if len(self._out) > MAX_BACKLOG_BYTES:
             return False  # the network process is stuck
+        if not self._rows:
+            self._heard_at = self.clock.now()  # its silence counts from the first row unanswered
         self._out += frames.encode_obs(self.epoch, _obs_rows([batch]))
         self._send()
         return True
@@ -453,6 +460,7 @@ class _ProcessOutbox(_Outbox):
                 self._lost()
                 return
             self._in += data
+            self._heard_at = self.clock.now()
             if len(data) < frames.RECV_BYTES:
                 break
         for payload in frames.split_frames(self._in):
@@ -464,11 +472,16 @@ class _ProcessOutbox(_Outbox):
                 self._up(frames.decode_state(payload))
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
+        if self._rows and self.clock.now() - self._heard_at > 2 * self.settings.timeout_s + HANG_GRACE_S:
+            self._lost(hung=True)
+            return
         self._run_timers()
         self.flush()  # an episode's last observation, queued behind its answer
 
-    def _lost(self) -> None:
-        """The network process exited (or its socket broke): start a new one in a second."""
+    def _lost(self, hung: bool = False) -> None:
+        """The network process exited, its socket broke, or it is ``hung`` (killed then): start
+        a new one in a second."""
+        silent_s, rows = self.clock.now() - self._heard_at, len(self._rows)
         self._disconnect()
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
         if sock is not None:
@@ -482,8 +495,13 @@ class _ProcessOutbox(_Outbox):
         self.restarts += 1
         self._out.clear()
         self._restart_at = self.clock.now() + RESTART_DELAY_S
-        log.error("the robots' network process ended (exit code %s); a new one starts in %.0fs",
-                  code, RESTART_DELAY_S)  # fmt: skip
+        if hung:
+            log.error("the robots' network process said nothing for %.1fs with %d observation(s) "
+                      "unanswered: killed as hung; a new one starts in %.0fs",
+                      silent_s, rows, RESTART_DELAY_S)  # fmt: skip
+        else:
+            log.error("the robots' network process ended (exit code %s); a new one starts in %.0fs",
+                      code, RESTART_DELAY_S)  # fmt: skip
 
 
 class RobotLink:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from edgerl.proto import frames
 from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import StreamSettings, concat_rows
-from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.robot_client.runner import HANG_GRACE_S, RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
@@ -137,6 +139,60 @@ def test_robots_outlive_their_network_process() -> None:
     assert s["max_consecutive_fallbacks"] >= 40  # the second without a network process
     tail = kinds[-25:]
     assert tail.count(TickKind.POLICY) >= 20, tail
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+        time.sleep(0.005)
+
+
+def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    """A network process that stops (here: SIGSTOP) holds the robots' observations unanswered
+    and says nothing: after twice the stream's timeout and a second it is killed and replaced."""
+    robot = CounterRobot()
+    kinds: list[TickKind] = []
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, timeout_s=0.5)
+        with RobotHost([robot], cfg, on_tick=lambda i, tick, *_: kinds.append(tick.kind)) as host:
+            started = time.monotonic()
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox)
+            time.sleep(0.5)
+            first = outbox._proc
+            assert first is not None and host.connected
+            os.kill(first.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            _wait_for(lambda: host.network_restarts == 1, "restart")
+            took = time.monotonic() - stopped
+            assert first.poll() == -signal.SIGKILL  # killed, not left stopped behind
+            _wait_for(lambda: host.connected, "new stream")
+            time.sleep(0.5)
+            ran_s = time.monotonic() - started
+        (s,) = host.stats()
+    assert 2 * 0.5 + HANG_GRACE_S - 0.1 <= took <= 2 * 0.5 + HANG_GRACE_S + 1.0
+    hung = r"said nothing for 2\.\ds with 1 observation\(s\) unanswered: killed as hung"
+    assert re.search(hung, caplog.text)
+    assert s["ticks"] >= 0.95 * 50 * ran_s  # the loop kept its rate throughout
+    assert s["max_consecutive_fallbacks"] >= 0.9 * 50 * took  # on fallbacks until it was replaced
+    tail = kinds[-25:]
+    assert tail.count(TickKind.POLICY) >= 20, tail
+
+
+def test_a_network_process_whose_server_answers_late_is_not_taken_for_hung(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its stream times out (the server answers after 1 s) and it says so: it is alive."""
+    with ServerThread(EchoPolicy(3, 2, delay_s=1.0)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, timeout_s=0.5)
+        with RobotHost([CounterRobot()], cfg) as host:
+            time.sleep(2 * 0.5 + HANG_GRACE_S + 1.0)
+            assert host.reconnects >= 1  # the stream failed at its timeout, and reconnected
+            assert host.network_restarts == 0
+    assert "hung" not in caplog.text
 
 
 def test_network_cpus_must_be_cpus_of_this_process_and_need_a_network_process() -> None:
