@@ -49,6 +49,16 @@ from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
 from edgerl.watchdog.sched import for_each_thread
 
+HANG_GRACE_S = 1.0
+"""See :func:`hung_after_s` (seconds)."""
+
+
+def hung_after_s(timeout_s: float) -> float:
+    """How long a network process whose stream has ``timeout_s`` may hold observations
+    unanswered and say nothing before it is taken for hung (and killed): a live one answers
+    them, or reports its stream failed, within ``timeout_s``."""
+    return 2 * timeout_s + HANG_GRACE_S
+
 
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
     details = error.details if isinstance(error, errors.RpcError) else str(error)

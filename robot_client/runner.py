@@ -71,10 +71,6 @@ MAX_BACKLOG_BYTES = 8 << 20
 """Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
 RESTART_DELAY_S = 1.0
 """A network process that ended is replaced after this long (seconds)."""
-HANG_GRACE_S = 1.0
-"""A network process that holds unanswered observations and says nothing for twice the
-stream's ``timeout_s`` and this long (seconds) is hung, and is replaced: a live one answers
-them, or reports its stream failed, within ``timeout_s``."""
 
 
 DEFAULT_DEADLINE_MS = 20.0
@@ -472,7 +468,7 @@ class _ProcessOutbox(_Outbox):
                 self._up(frames.decode_state(payload))
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
-        if self._rows and self.clock.now() - self._heard_at > 2 * self.settings.timeout_s + HANG_GRACE_S:
+        if self._rows and self.clock.now() - self._heard_at > netproc.hung_after_s(self.settings.timeout_s):
             self._lost(hung=True)
             return
         self._run_timers()

@@ -393,22 +393,37 @@ class _NetworkEnd:
         self._sock.sendall(netproc.encode_settings(settings))
         self._in = bytearray()
         self._frames: deque[bytes] = deque()
+        self._hung_after_s = netproc.hung_after_s(settings.timeout_s)
+        self._waiting_since: float | None = None  # the first send since the process last spoke
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
         self._sock.sendall(frames.encode_obs(epoch, rows))
 
     def receive(self, timeout_s: float) -> bytes:
         """The next frame, or b"" if none came within ``timeout_s``.
 
         Raises:
-            EdgeRLError: the network process ended.
+            EdgeRLError: the network process ended, or it is hung (it is killed then).
         """
         if not self._frames:
             got = frames.read_frames(self._sock, self._in, timeout_s)
             if got is None:
                 code = self._proc.wait()
                 raise errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
-            self._frames.extend(got)
+            if got:
+                self._frames.extend(got)
+                self._waiting_since = None
+            elif self._waiting_since is not None:
+                silent_s = time.monotonic() - self._waiting_since
+                if silent_s > self._hung_after_s:
+                    self._proc.kill()
+                    self._proc.wait()
+                    raise errors.EdgeRLError(
+                        f"the sim worker's network process said nothing for {silent_s:.1f}s with "
+                        "observations unanswered: killed as hung"
+                    )
         return self._frames.popleft() if self._frames else b""
 
     def close(self) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
+import socket
+import subprocess
 import time
 from typing import Any
 
@@ -14,8 +17,9 @@ import pytest
 
 from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.proto import frames
-from edgerl.robot_client import errors
+from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
+from edgerl.robot_client.netproc import HANG_GRACE_S
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server
 
@@ -92,6 +96,40 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
             await server.stop(0.5)
             worker.close()
         assert progress.steps == 200
+
+    run(main())
+
+
+def test_a_sim_worker_whose_network_process_hangs_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its network process stops (SIGSTOP): the worker, waiting on it for actions, does not wait
+    for good. After twice the stream's timeout and a second it kills the process and fails."""
+    spawned: list[subprocess.Popen[bytes]] = []
+    spawn = netproc.spawn
+
+    def spy() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        sock, proc = spawn()
+        spawned.append(proc)
+        return sock, proc
+
+    monkeypatch.setattr(netproc, "spawn", spy)
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server:
+            address = f"127.0.0.1:{server.port}"
+            worker = _worker(server=address, num_envs=4, timeout_s=0.5, network_process=True)
+            task = asyncio.ensure_future(worker.run())
+            while worker.progress.steps < 100:
+                await asyncio.sleep(0.01)
+            (proc,) = spawned
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            hung = r"network process said nothing for 2\.\ds with observations unanswered: killed as hung"
+            with pytest.raises(errors.EdgeRLError, match=hung):
+                await asyncio.wait_for(task, 30)
+            took = time.monotonic() - stopped
+            worker.close()
+        assert 2 * 0.5 + HANG_GRACE_S - 0.1 <= took <= 2 * 0.5 + HANG_GRACE_S + 1.0
+        assert proc.poll() == -signal.SIGKILL  # killed, not left stopped behind
 
     run(main())
 

@@ -16,7 +16,8 @@ import pytest
 from edgerl.proto import frames
 from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import StreamSettings, concat_rows
-from edgerl.robot_client.runner import HANG_GRACE_S, RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.robot_client.netproc import HANG_GRACE_S
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread
