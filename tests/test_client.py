@@ -21,7 +21,7 @@ from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.netproc import HANG_GRACE_S
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
-from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server
+from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server, waited
 
 
 def test_error_types_carry_their_grpc_code() -> None:
@@ -118,8 +118,7 @@ def test_a_sim_worker_whose_network_process_hangs_fails_naming_it(monkeypatch: p
             address = f"127.0.0.1:{server.port}"
             worker = _worker(server=address, num_envs=4, timeout_s=0.5, network_process=True)
             task = asyncio.ensure_future(worker.run())
-            while worker.progress.steps < 100:
-                await asyncio.sleep(0.01)
+            assert await waited(lambda: worker.progress.steps >= 100, 30), "no steps"
             (proc,) = spawned
             os.kill(proc.pid, signal.SIGSTOP)
             stopped = time.monotonic()

@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from edgerl.robot_client.netproc import HANG_GRACE_S
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread
+from tests.helpers import EchoPolicy, ServerThread, wait_until
 from tests.test_robot import CounterRobot
 
 
@@ -142,13 +141,6 @@ def test_robots_outlive_their_network_process() -> None:
     assert tail.count(TickKind.POLICY) >= 20, tail
 
 
-def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-        time.sleep(0.005)
-
-
 def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
     """A network process that stops (here: SIGSTOP) holds the robots' observations unanswered
     and says nothing: after twice the stream's timeout and a second it is killed and replaced."""
@@ -166,10 +158,10 @@ def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCapture
             assert first is not None and host.connected
             os.kill(first.pid, signal.SIGSTOP)
             stopped = time.monotonic()
-            _wait_for(lambda: host.network_restarts == 1, "restart")
+            assert wait_until(lambda: host.network_restarts == 1, 10, 0.005), "no restart"
             took = time.monotonic() - stopped
             assert first.poll() == -signal.SIGKILL  # killed, not left stopped behind
-            _wait_for(lambda: host.connected, "new stream")
+            assert wait_until(lambda: host.connected, 10, 0.005), "no new stream"
             time.sleep(0.5)
             ran_s = time.monotonic() - started
         (s,) = host.stats()

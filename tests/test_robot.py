@@ -29,6 +29,7 @@ from tests.helpers import (
     check_machine_block,
     run_a_later_grpc_loop,
     unclosed_resources,
+    wait_until,
 )
 
 HZ = 50.0
@@ -270,13 +271,6 @@ class EndingRobot(CounterRobot):
         return self.read()
 
 
-def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-        time.sleep(0.01)
-
-
 def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_stop_is() -> None:
     """A reset moves a real robot (to its start pose): under an e-stop the robot is not reset."""
     robot = EndingRobot(length=30)
@@ -287,11 +281,13 @@ def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_sto
         )
         with host:
             (link,) = host.links
-            _wait_for(lambda: robot.resets >= 1, "reset on policy actions")  # episodes end and reset
+            # on policy actions, episodes end and the robot is reset
+            assert wait_until(lambda: robot.resets >= 1, 10, 0.005), "no reset on policy actions"
             srv.kill()
-            _wait_for(lambda: link.watchdog.estopped, "e-stop")
+            assert wait_until(lambda: link.watchdog.estopped, 10, 0.005), "no e-stop"
             srv.restart()
-            _wait_for(lambda: robot.since_reset >= robot.length and host.connected, "episode end")
+            ended = wait_until(lambda: robot.since_reset >= robot.length and host.connected, 10, 0.005)
+            assert ended, "no episode end"
             time.sleep(0.2)
             count, resets = robot.count, robot.resets
             requests, episodes = link.counts["requests"], link.counts["episodes"]
@@ -301,8 +297,9 @@ def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_sto
             assert robot.resets == resets
             assert (link.counts["requests"], link.counts["episodes"]) == (requests, episodes)
             link.watchdog.reset()  # the operator's reset: the robot is reset, the policy drives it
-            _wait_for(lambda: robot.resets == resets + 1, "reset after the e-stop's")
-            _wait_for(lambda: link.counts["requests"] > requests + 5, "requests after the reset")
+            assert wait_until(lambda: robot.resets == resets + 1, 10, 0.005), "no reset after the e-stop's"
+            asking = wait_until(lambda: link.counts["requests"] > requests + 5, 10, 0.005)
+            assert asking, "no requests after the reset"
     estop_at = next(k for k, (tick, _, _) in enumerate(seen) if tick.kind == TickKind.ESTOP)
     end = next(k for k in range(estop_at, len(seen)) if seen[k][1].terminated)
     reset = next(k for k in range(end, len(seen)) if seen[k][2])
