@@ -599,8 +599,9 @@ class RobotLink:
         recorded with no reward or episode flags, and nothing goes to the server.
         """
         self.robot.apply(tick.action)
+        reading = self.robot.read()  # read as on every tick (a driver may drain its sensors here)
         if self.on_tick is not None:
-            self.on_tick(self.index, tick, RobotState(self.robot.read().obs), False)
+            self.on_tick(self.index, tick, RobotState(reading.obs), False)
 
     # -- the stream's side ----------------------------------------------------
 

@@ -256,12 +256,14 @@ class EndingRobot(CounterRobot):
         self.length = length
         self.since_reset = 0
         self.resets = 0
+        self.reads = 0
 
     def apply(self, action: np.ndarray) -> None:
         super().apply(action)
         self.since_reset += 1
 
     def read(self) -> RobotState:
+        self.reads += 1
         obs = np.array([self.count, self.rid, 0.0], np.float32)
         return RobotState(obs, reward=1.0, terminated=self.since_reset >= self.length)
 
@@ -289,11 +291,13 @@ def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_sto
             ended = wait_until(lambda: robot.since_reset >= robot.length and host.connected, 10, 0.005)
             assert ended, "no episode end"
             time.sleep(0.2)
-            count, resets = robot.count, robot.resets
+            count, reads, resets = robot.count, robot.reads, robot.resets
             requests, episodes = link.counts["requests"], link.counts["episodes"]
             time.sleep(0.5)
-            # held: ticks ran (the e-stop's actions applied), no reset, no request, no episode
+            # held: ticks ran (the e-stop's actions applied, the robot read), no reset, no request,
+            # no episode
             assert host.connected and robot.count > count + 20
+            assert abs((robot.reads - reads) - (robot.count - count)) <= 1  # taken while it ticks
             assert robot.resets == resets
             assert (link.counts["requests"], link.counts["episodes"]) == (requests, episodes)
             link.watchdog.reset()  # the operator's reset: the robot is reset, the policy drives it
