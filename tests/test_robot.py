@@ -316,6 +316,22 @@ def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_sto
     assert any(tick.kind == TickKind.POLICY for tick, _, _ in seen[reset:])
 
 
+def test_an_episodes_last_observation_reaches_the_server_when_it_ends_with_a_request_in_flight() -> None:
+    """Answers take 50 ms, so most episodes end while the robot's request is in flight: the last
+    observation, which carries the episode's end, goes out once the answer is in."""
+    learner = TransitionConfig(segment_steps=8)
+    robot = EndingRobot(length=10)
+    with ServerThread(EchoPolicy(3, 2, delay_s=0.05), learner=learner) as srv:
+        (s,) = _run(RobotHost([robot], _config(srv.address, watchdog={"estop_after": 0})), 2.0)
+        assert srv.server is not None and srv.server.store is not None
+        srv.server.store.ack(0, 1 << 20)
+        segs = list(srv.server.store.take_sendable())
+    terminated = sum(t for seg in segs for t in seg.terminated)
+    assert s["episodes"] >= 8 and s["requests"] < s["ticks"] / 2  # most ticks found a request in flight
+    # every episode's end reached the server, but the last one's if the host stopped first
+    assert s["episodes"] - 1 <= terminated <= s["episodes"]
+
+
 @BOTH_STREAMS
 def test_action_chunks_need_fewer_requests(network_process: bool) -> None:
     net = build_policy("mlp-small", 3, 2 * 4, seed=0)
