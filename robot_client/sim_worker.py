@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import socket
+import subprocess
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -397,9 +398,17 @@ class _NetworkEnd:
         self._waiting_since: float | None = None  # the first send since the process last spoke
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
+        """Send ``rows`` to the network process.
+
+        Raises:
+            EdgeRLError: the network process ended.
+        """
         if self._waiting_since is None:
             self._waiting_since = time.monotonic()
-        self._sock.sendall(frames.encode_obs(epoch, rows))
+        try:
+            self._sock.sendall(frames.encode_obs(epoch, rows))
+        except OSError:  # the process is gone: a broken pipe, or a reset connection
+            raise self._ended() from None
 
     def receive(self, timeout_s: float) -> bytes:
         """The next frame, or b"" if none came within ``timeout_s``.
@@ -408,10 +417,12 @@ class _NetworkEnd:
             EdgeRLError: the network process ended, or it is hung (it is killed then).
         """
         if not self._frames:
-            got = frames.read_frames(self._sock, self._in, timeout_s)
+            try:
+                got = frames.read_frames(self._sock, self._in, timeout_s)
+            except OSError:  # a process killed with data unread resets the socket
+                got = None
             if got is None:
-                code = self._proc.wait()
-                raise errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
+                raise self._ended()
             if got:
                 self._frames.extend(got)
                 self._waiting_since = None
@@ -425,6 +436,15 @@ class _NetworkEnd:
                         "observations unanswered: killed as hung"
                     )
         return self._frames.popleft() if self._frames else b""
+
+    def _ended(self) -> errors.EdgeRLError:
+        """The error of a network process whose socket closed or failed (killed if still running)."""
+        try:
+            code = self._proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            code = self._proc.wait()
+        return errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
 
     def close(self) -> None:
         netproc.stop(self._sock, self._proc)

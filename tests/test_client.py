@@ -100,9 +100,23 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
     run(main())
 
 
-def test_a_sim_worker_whose_network_process_hangs_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its network process stops (SIGSTOP): the worker, waiting on it for actions, does not wait
-    for good. After twice the stream's timeout and a second it kills the process and fails."""
+@pytest.mark.parametrize(
+    ("sig", "message", "within_s"),
+    [
+        (signal.SIGKILL, r"network process ended \(exit code -9\)$", (0.0, 1.0)),
+        # the process hangs: after twice the stream's timeout and a second it is killed
+        (
+            signal.SIGSTOP,
+            r"network process said nothing for 2\.\ds with observations unanswered: killed as hung$",
+            (2 * 0.5 + HANG_GRACE_S - 0.1, 2 * 0.5 + HANG_GRACE_S + 1.0),
+        ),
+    ],
+    ids=["killed", "hung"],
+)
+def test_a_sim_worker_whose_network_process_dies_or_hangs_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch, sig: signal.Signals, message: str, within_s: tuple[float, float]
+) -> None:
+    """The worker, waiting on its network process for actions, does not wait for good."""
     spawned: list[subprocess.Popen[bytes]] = []
     spawn = netproc.spawn
 
@@ -120,14 +134,13 @@ def test_a_sim_worker_whose_network_process_hangs_fails_naming_it(monkeypatch: p
             task = asyncio.ensure_future(worker.run())
             assert await waited(lambda: worker.progress.steps >= 100, 30), "no steps"
             (proc,) = spawned
-            os.kill(proc.pid, signal.SIGSTOP)
+            os.kill(proc.pid, sig)
             stopped = time.monotonic()
-            hung = r"network process said nothing for 2\.\ds with observations unanswered: killed as hung"
-            with pytest.raises(errors.EdgeRLError, match=hung):
+            with pytest.raises(errors.EdgeRLError, match=message):
                 await asyncio.wait_for(task, 30)
             took = time.monotonic() - stopped
             worker.close()
-        assert 2 * 0.5 + HANG_GRACE_S - 0.1 <= took <= 2 * 0.5 + HANG_GRACE_S + 1.0
+        assert within_s[0] <= took <= within_s[1]
         assert proc.poll() == -signal.SIGKILL  # killed, not left stopped behind
 
     run(main())
