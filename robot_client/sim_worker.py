@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import socket
-import subprocess
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -438,12 +437,10 @@ class _NetworkEnd:
         return self._frames.popleft() if self._frames else b""
 
     def _ended(self) -> errors.EdgeRLError:
-        """The error of a network process whose socket closed or failed (killed if still running)."""
-        try:
-            code = self._proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            code = self._proc.wait()
+        """The error of a network process whose socket closed or failed (stopped, as by
+        :meth:`close`, if it is still running)."""
+        netproc.stop(self._sock, self._proc)
+        code = self._proc.returncode
         return errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
 
     def close(self) -> None:
