@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from typing import Any
@@ -95,7 +96,7 @@ def test_trainer_takes_segments_and_a_publish_changes_the_served_version() -> No
             finally:
                 stop.set()
                 await sim
-                feed.close()
+                await _in_thread(feed.close)  # the server runs on this loop
                 worker.close()
             st = await _stats(server.address)
             assert st.transitions > 64 and st.segments_acked > 8
@@ -129,13 +130,54 @@ def test_segments_resent_after_a_trainer_reconnect_are_taken_once() -> None:
             finally:
                 stop.set()
                 await sim
-                feed.close()
+                await _in_thread(feed.close)
                 worker.close()
             keys = [segment_key(s) for s in first + rest]
             assert len(keys) == len(set(keys))  # every transition taken once
             assert feed.reconnects >= 1
             assert feed.dedupe.duplicates >= 1  # the server did re-send the unacknowledged ones
             assert server.store is not None and server.store.counters.segments_resent >= 1
+
+    run(main())
+
+
+def test_acks_given_just_before_close_reach_the_server() -> None:
+    """close() ends the request stream and lets the server read it to the end instead of
+    cancelling the call under the last acknowledgement; a feed whose server never answers
+    is cancelled after its grace."""
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
+            store = server.store
+            assert store is not None
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=4))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            try:
+                for _ in range(5):
+                    feed = TransitionFeed(server.address, window_steps=64).start()
+                    segs = await _in_thread(feed.take, 8)
+                    last = max(s.seq for s in segs)
+                    feed.ack(last)
+                    await _in_thread(
+                        feed.close
+                    )  # at once: the ack is still queued; the server runs on this loop
+                    assert feed._call.code() == grpc.StatusCode.OK  # the server ended it, not a cancel
+                    assert store.counters.segments_acked == last  # seqs start at 1, acked in order
+            finally:
+                stop.set()
+                await sim
+                worker.close()
+
+        with socket.socket() as sock:  # a port where nothing listens: the call waits for a server
+            sock.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{sock.getsockname()[1]}"
+            feed = TransitionFeed(address, window_steps=64).start()
+            feed.ack(0)
+            t0 = time.monotonic()
+            feed.close(grace_s=0.5)
+            assert 0.5 <= time.monotonic() - t0 < 5.0
+            assert not feed._thread.is_alive()
 
     run(main())
 
@@ -246,6 +288,6 @@ def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -
                 with pytest.raises(ValueError, match=r"take\(65\): more than window_steps \(64\)"):
                     feed.take(65)  # the server never sends more unacknowledged: it would wait forever
             finally:
-                feed.close()
+                await _in_thread(feed.close)
 
     run(main())

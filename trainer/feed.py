@@ -72,11 +72,18 @@ class TransitionFeed:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 1.0) -> None:
+        """Stop the feed; the acknowledgements given so far reach the server first.
+
+        The request stream is closed and the server ends the call once it has read every
+        acknowledgement on it. A call still open after ``grace_s`` (a server that is down or
+        does not answer) is cancelled; the server then re-sends what it never heard acknowledged.
+        """
         self._stop.set()
         self._acks.put(None)
+        self._thread.join(grace_s)
         call = self._call
-        if call is not None:
+        if call is not None and self._thread.is_alive():
             call.cancel()
         self._thread.join(10.0)
         self._channel.close()
@@ -129,7 +136,7 @@ class TransitionFeed:
     # -- the stream thread ------------------------------------------------------------------------------
     def _requests(self) -> Iterator[pb.TransitionAck]:
         yield self._ack_message()
-        while not self._stop.is_set():
+        while True:  # up to the None that close() or a reconnect puts: no ack is left unsent
             msg = self._acks.get()
             if msg is None:
                 return
