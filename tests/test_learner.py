@@ -159,9 +159,8 @@ def test_acks_given_just_before_close_reach_the_server() -> None:
                     segs = await _in_thread(feed.take, 8)
                     last = max(s.seq for s in segs)
                     feed.ack(last)
-                    await _in_thread(
-                        feed.close
-                    )  # at once: the ack is still queued; the server runs on this loop
+                    # at once, the ack still queued; off this loop, which the server runs on
+                    await _in_thread(feed.close)
                     assert feed._call.code() == grpc.StatusCode.OK  # the server ended it, not a cancel
                     assert store.counters.segments_acked == last  # seqs start at 1, acked in order
             finally:
