@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.feed import TransitionFeed, publish_weights
 from edgerl.trainer.segments import segment_key
-from tests.helpers import run, running_server, waited
+from tests.helpers import free_port, run, running_server, waited
 
 ENV = "InvertedPendulum-v5"
 
@@ -168,15 +167,13 @@ def test_acks_given_just_before_close_reach_the_server() -> None:
                 await sim
                 worker.close()
 
-        with socket.socket() as sock:  # a port where nothing listens: the call waits for a server
-            sock.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{sock.getsockname()[1]}"
-            feed = TransitionFeed(address, window_steps=64).start()
-            feed.ack(0)
-            t0 = time.monotonic()
-            feed.close(grace_s=0.5)
-            assert 0.5 <= time.monotonic() - t0 < 5.0
-            assert not feed._thread.is_alive()
+        # a port where nothing listens: the call waits for a server
+        feed = TransitionFeed(f"127.0.0.1:{free_port()}", window_steps=64).start()
+        feed.ack(0)
+        t0 = time.monotonic()
+        feed.close(grace_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+        assert not feed._thread.is_alive()
 
     run(main())
 
