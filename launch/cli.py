@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run robots behind the safety watchdog against an edge server",
         description="Drive --robots instances of --robot at --hz: the watchdog applies fresh policy "
         "actions and fallbacks otherwise, streams observations to --server, and tells the server "
-        "which steps used a fallback. Ctrl-C stops. At start it asks the server (Describe) for its "
+        "which steps used a fallback. Ctrl-C stops; SIGUSR1 (kill -USR1 PID) is the operator's "
+        "reset of the robots' latched e-stops. At start it asks the server (Describe) for its "
         "action chunk and checks that its policy is for the robots: their observation and action "
         "shapes, and their env where both name one (a MujocoRobot does). "
         "Exit status 1 when it is not (no robot starts) or when its control loop failed (its last "

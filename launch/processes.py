@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
@@ -51,19 +51,25 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def on_stop_signals(handler: Callable[[int, Any], Any]) -> Iterator[None]:
-    """Call ``handler`` on SIGINT and SIGTERM in this block, then restore the handlers that were
-    there: a command stopped either way stops as cleanly as on Ctrl-C. Signals reach only the
-    main thread; run in another (a command embedded in a program), it installs nothing."""
+def on_signals(signals: Iterable[int], handler: Callable[[int, Any], Any]) -> Iterator[None]:
+    """Call ``handler`` on each of ``signals`` in this block, then restore the handlers that
+    were there. Signals reach only the main thread; run in another (a command embedded in a
+    program), it installs nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def on_stop_signals(handler: Callable[[int, Any], Any]) -> contextlib.AbstractContextManager[None]:
+    """Call ``handler`` on SIGINT and SIGTERM in this block (:func:`on_signals`): a command
+    stopped either way stops as cleanly as on Ctrl-C."""
+    return on_signals(STOP_SIGNALS, handler)
 
 
 def parse_cpus(spec: str, name: str) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ import numpy as np
 
 from edgerl.launch import jsonout
 from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, PROBABILITY
-from edgerl.launch.processes import on_stop_signals, parse_cpus
+from edgerl.launch.processes import on_signals, on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
 from edgerl.robot_client.robot import Robot, RobotKind, load_robot, robot_class
@@ -30,6 +31,8 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
 """Exit status of ``edgerl robot`` when a robot ended the run e-stopped (latched until reset)."""
+RESET_SIGNALS = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()
+"""The operator's e-stop reset of a running ``edgerl robot`` (``kill -USR1 PID``)."""
 STATS_EVERY_S = 2.0
 """How often ``edgerl robot`` prints a line of its robots' counts (seconds)."""
 
@@ -241,10 +244,21 @@ def _line(stats: list[dict[str, Any]]) -> str:
     )
 
 
+def reset_estops(host: RobotHost) -> str:
+    """The operator's reset: clear the latched e-stop of every e-stopped robot of ``host`` (the
+    others keep their actions and fallback streaks). Returns what was done, for the operator."""
+    latched = [link for link in host.links if link.watchdog.estopped]
+    for link in latched:
+        link.watchdog.reset()  # thread-safe; an e-stopped robot held after its episode is reset next tick
+    if not latched:
+        return "e-stop reset asked for: no robot is e-stopped"
+    return f"e-stop reset of {len(latched)} robot(s): {', '.join(_label(link) for link in latched)}"
+
+
 def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
-    stop = threading.Event()
-    with on_stop_signals(lambda *_: stop.set()):
+    stop, reset = threading.Event(), threading.Event()
+    with on_stop_signals(lambda *_: stop.set()), on_signals(RESET_SIGNALS, lambda *_: reset.set()):
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
         try:  # the server's shapes are checked before any robot is touched
             asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed
@@ -272,12 +286,16 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                 stack.callback(recorder.close)
             host.start(stop.is_set)
             stack.callback(host.stop)
+            reset.clear()  # a reset asked for before any robot ran has nothing to reset
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             next_line = time.monotonic() + STATS_EVERY_S
             # A control loop that failed e-stops its robots and ends (control_error is set then):
             # stop at once (the robots are closed) rather than report a frozen host until the time is up.
             while not stop.is_set() and host.control_error is None and (now := time.monotonic()) < t_end:
                 stop.wait(min(0.1, t_end - now))
+                if reset.is_set() and host.control_error is None:
+                    reset.clear()
+                    print(f"edgerl robot: {reset_estops(host)}", flush=True)
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -385,6 +388,76 @@ def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
     # margin (40 ms of actions left against 30 ms late) may cost a few more: 90 %, against 0 %
     chunk = stats["chunk"]
     assert chunk["ticks"] >= 60 and chunk["policy_ticks"] >= 0.9 * chunk["ticks"], chunk
+
+
+def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two robots e-stop while their server is down and stay so when it is back; ``kill -USR1``
+    clears both latches, the policy drives them again, and the run ends 0, not 3. A second
+    SIGUSR1, with no robot e-stopped, changes nothing."""
+    hosts: list[RobotHost] = []
+    start = RobotHost.start
+
+    def kept(self: RobotHost, *args: Any) -> None:
+        hosts.append(self)
+        start(self, *args)
+
+    monkeypatch.setattr(RobotHost, "start", kept)
+    failures: list[BaseException] = []
+
+    def operator(srv: ServerThread) -> None:
+        try:
+            host = wait_until(lambda: hosts[0] if hosts else None, 60, 0.01)
+            assert host is not None, "the robots never started"
+            dogs = [link.watchdog for link in host.links]
+            assert wait_until(lambda: all(d.estopped for d in dogs), 30, 0.01), "no e-stop"
+            srv.restart()
+            assert wait_until(lambda: host.connected, 30, 0.01), "no stream after the server came back"
+            time.sleep(0.5)
+            assert all(d.estopped for d in dogs)  # the latch holds with the server back
+            assert [s["policy_ticks"] for s in host.stats()] == [0, 0]
+            os.kill(os.getpid(), signal.SIGUSR1)
+            driven = wait_until(lambda: all(s["policy_ticks"] >= 25 for s in host.stats()), 30, 0.01)
+            assert driven, "no policy actions after the reset"
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.5)  # the main loop sees a signal within 0.1 s
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # ends the run
+
+    out = tmp_path / "robot.json"
+    # A signal that came after the command restored the handlers is ignored, not fatal to the tests.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        with ServerThread(EchoPolicy(3, 2)) as srv:
+            srv.kill()
+            thread = threading.Thread(target=operator, args=(srv,))
+            thread.start()
+            code = main(
+                ["robot", "--server", srv.address, *COUNTER, "--robots", "2", "--hz", "50",
+                 "--seconds", "120", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
+                 "--estop-after", "10", "--json", str(out)]
+            )  # fmt: skip
+            thread.join(60)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failures:
+        raise failures[0]
+    assert code == 0
+    robots = json.loads(out.read_text())["robots"]
+    assert [(r["robot"], r["estops"], r["estopped"]) for r in robots] == [
+        ("robot-0", 1, False), ("robot-1", 1, False)
+    ]  # fmt: skip
+    assert all(r["policy_ticks"] >= 25 for r in robots)
+    lines = capsys.readouterr().out.splitlines()
+    said = [line for line in lines if "e-stop reset" in line]
+    assert said == [
+        "edgerl robot: e-stop reset of 2 robot(s): robot-0, robot-1",
+        "edgerl robot: e-stop reset asked for: no robot is e-stopped",
+    ]
 
 
 def test_edgerl_robot_takes_the_chunk_defaults_from_the_server(
