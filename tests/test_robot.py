@@ -393,9 +393,9 @@ def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
 def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
     tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two robots e-stop while their server is down and stay so when it is back; ``kill -USR1``
-    clears both latches, the policy drives them again, and the run ends 0, not 3. A second
-    SIGUSR1, with no robot e-stopped, changes nothing."""
+    """Two robots e-stop (after 1 s of fallbacks) while their server is down, and stay so when it
+    is back; ``kill -USR1`` clears both latches, the policy drives them again, and the run ends 0,
+    not 3. A second SIGUSR1, with no robot e-stopped, changes nothing."""
     hosts: list[RobotHost] = []
     start = RobotHost.start
 
@@ -438,7 +438,7 @@ def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
             code = main(
                 ["robot", "--server", srv.address, *COUNTER, "--robots", "2", "--hz", "50",
                  "--seconds", "120", "--connect-timeout-s", "0", "--deadline-ms", "20", "--refill-at", "1",
-                 "--estop-after", "10", "--json", str(out)]
+                 "--estop-after", "50", "--json", str(out)]
             )  # fmt: skip
             thread.join(60)
     finally:
