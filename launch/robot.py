@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -255,6 +256,18 @@ def reset_estops(host: RobotHost) -> str:
     return f"e-stop reset of {len(latched)} robot(s): {', '.join(_label(link) for link in latched)}"
 
 
+def announce_estops(host: RobotHost, announced: set[str]) -> set[str]:
+    """Say which robots of ``host`` latched an e-stop since the robots of ``announced`` did, and
+    how the operator resets them. Returns the robots e-stopped now: one that is reset is
+    announced again if it latches again."""
+    now = [_label(link) for link in host.links if link.watchdog.estopped]
+    newly = [label for label in now if label not in announced]
+    if newly:
+        how = f"kill -USR1 {os.getpid()} resets it" if RESET_SIGNALS else "it holds until the run ends"
+        print(f"edgerl robot: e-stopped: {', '.join(newly)} (the latch holds; {how})", flush=True)
+    return set(now)
+
+
 def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
     stop, reset = threading.Event(), threading.Event()
@@ -289,13 +302,16 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             reset.clear()  # a reset asked for before any robot ran has nothing to reset
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             next_line = time.monotonic() + STATS_EVERY_S
+            announced: set[str] = set()
             # A control loop that failed e-stops its robots and ends (control_error is set then):
             # stop at once (the robots are closed) rather than report a frozen host until the time is up.
             while not stop.is_set() and host.control_error is None and (now := time.monotonic()) < t_end:
                 stop.wait(min(0.1, t_end - now))
-                if reset.is_set() and host.control_error is None:
-                    reset.clear()
-                    print(f"edgerl robot: {reset_estops(host)}", flush=True)
+                if host.control_error is None:
+                    if reset.is_set():
+                        reset.clear()
+                        print(f"edgerl robot: {reset_estops(host)}", flush=True)
+                    announced = announce_estops(host, announced)
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end

@@ -394,8 +394,9 @@ def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
     tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two robots e-stop (after 1 s of fallbacks) while their server is down, and stay so when it
-    is back; ``kill -USR1`` clears both latches, the policy drives them again, and the run ends 0,
-    not 3. A second SIGUSR1, with no robot e-stopped, changes nothing."""
+    is back; the command says so and how to reset them. ``kill -USR1`` clears both latches, the
+    policy drives them again, and the run ends 0, not 3. A second SIGUSR1, with no robot
+    e-stopped, changes nothing."""
     hosts: list[RobotHost] = []
     start = RobotHost.start
 
@@ -453,6 +454,12 @@ def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
     ]  # fmt: skip
     assert all(r["policy_ticks"] >= 25 for r in robots)
     lines = capsys.readouterr().out.splitlines()
+    # each latch is announced once, with how to reset it (both robots may latch in one poll)
+    told = [line for line in lines if line.startswith("edgerl robot: e-stopped: ")]
+    hint = f" (the latch holds; kill -USR1 {os.getpid()} resets it)"
+    assert told and all(line.endswith(hint) for line in told)
+    named = [name for line in told for name in line.removesuffix(hint).split(": ", 2)[2].split(", ")]
+    assert named == ["robot-0", "robot-1"]
     said = [line for line in lines if "e-stop reset" in line]
     assert said == [
         "edgerl robot: e-stop reset of 2 robot(s): robot-0, robot-1",
