@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m edgerl.robot_client.netproc FD (started by a RobotHost)", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(args[0]))
+    if hasattr(signal, "SIGUSR1"):  # `edgerl robot`'s operator reset, sent to its whole group
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(sock))
     return 0

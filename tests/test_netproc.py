@@ -141,6 +141,24 @@ def test_robots_outlive_their_network_process() -> None:
     assert tail.count(TickKind.POLICY) >= 20, tail
 
 
+def test_the_operators_reset_signal_does_not_end_the_network_process() -> None:
+    """``kill -USR1`` sent to the whole process group of ``edgerl robot`` (its e-stop reset) reaches
+    the network process too: it ignores it, and the robots keep their stream."""
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
+        with RobotHost([CounterRobot()], cfg) as host:
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox)
+            assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
+            proc = outbox._proc
+            assert proc is not None
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+            assert proc.poll() is None and outbox._proc is proc
+            assert host.network_restarts == 0 and host.connected
+
+
 def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
     """A network process that stops (here: SIGSTOP) holds the robots' observations unanswered
     and says nothing: after twice the stream's timeout and a second it is killed and replaced."""
