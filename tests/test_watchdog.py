@@ -203,7 +203,7 @@ def test_nan_action_is_never_applied() -> None:
     assert dog.stats().nonfinite_actions == 2
 
 
-def test_estop_latches_after_n_fallbacks_and_only_reset_clears_it() -> None:
+def test_estop_latches_after_n_fallbacks_and_only_reset_clears_it(caplog: pytest.LogCaptureFixture) -> None:
     clock = FakeClock()
     dog, rec = make(clock, estop_after=3, fallback="hold")
     dog._last = np.array([0.3, 0.3], np.float32)
@@ -222,6 +222,8 @@ def test_estop_latches_after_n_fallbacks_and_only_reset_clears_it() -> None:
     run_tick(dog, clock, 7)
     assert rec.ticks[-1].kind is TickKind.POLICY
     assert not dog.estopped and dog.stats().consecutive_fallbacks == 0
+    dog.reset()  # nothing latched: nothing to say
+    assert [r.getMessage() for r in caplog.records].count("e-stop reset") == 1
 
 
 def test_a_policy_action_resets_the_fallback_streak() -> None:

@@ -303,12 +303,12 @@ class Watchdog:
 
     def reset(self) -> None:
         """Clear a latched e-stop and the fallback streak; policy actions apply again."""
-        with self._lock:
-            if self._estopped:
-                log.warning("e-stop reset")
-            self._estopped = False
+        with self._lock:  # the control thread waits on it: log after, not while holding it
+            was_estopped, self._estopped = self._estopped, False
             self._consecutive = 0
             self._chunk = None
+        if was_estopped:
+            log.warning("e-stop reset")
 
     # -- the loop side --------------------------------------------------------
 
