@@ -32,7 +32,7 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
 """Exit status of ``edgerl robot`` when a robot ended the run e-stopped (latched until reset)."""
-RESET_SIGNALS = (signal.SIGUSR1,) if hasattr(signal, "SIGUSR1") else ()
+RESET_SIGNAL = signal.SIGUSR1
 """The operator's e-stop reset of a running ``edgerl robot`` (``kill -USR1 PID``)."""
 STATS_EVERY_S = 2.0
 """How often ``edgerl robot`` prints a line of its robots' counts (seconds)."""
@@ -245,10 +245,15 @@ def _line(stats: list[dict[str, Any]]) -> str:
     )
 
 
+def _estopped(host: RobotHost) -> list[RobotLink]:
+    """The robots of ``host`` whose e-stop is latched, in their order."""
+    return [link for link in host.links if link.watchdog.estopped]
+
+
 def reset_estops(host: RobotHost) -> str:
     """The operator's reset: clear the latched e-stop of every e-stopped robot of ``host`` (the
     others keep their actions and fallback streaks). Returns what was done, for the operator."""
-    latched = [link for link in host.links if link.watchdog.estopped]
+    latched = _estopped(host)
     for link in latched:
         link.watchdog.reset()  # thread-safe; an e-stopped robot held after its episode is reset next tick
     if not latched:
@@ -260,18 +265,18 @@ def announce_estops(host: RobotHost, announced: set[str]) -> set[str]:
     """Say which robots of ``host`` latched an e-stop since the robots of ``announced`` did, and
     how the operator resets them. Returns the robots e-stopped now: one that is reset is
     announced again if it latches again."""
-    now = [_label(link) for link in host.links if link.watchdog.estopped]
+    now = [_label(link) for link in _estopped(host)]
     newly = [label for label in now if label not in announced]
     if newly:
-        how = f"kill -USR1 {os.getpid()} resets it" if RESET_SIGNALS else "it holds until the run ends"
-        print(f"edgerl robot: e-stopped: {', '.join(newly)} (the latch holds; {how})", flush=True)
+        hint = f"the latch holds; kill -USR1 {os.getpid()} resets it"
+        print(f"edgerl robot: e-stopped: {', '.join(newly)} ({hint})", flush=True)
     return set(now)
 
 
 def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
     robots = build_robots(a)
     stop, reset = threading.Event(), threading.Event()
-    with on_stop_signals(lambda *_: stop.set()), on_signals(RESET_SIGNALS, lambda *_: reset.set()):
+    with on_stop_signals(lambda *_: stop.set()), on_signals((RESET_SIGNAL,), lambda *_: reset.set()):
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
         try:  # the server's shapes are checked before any robot is touched
             asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed
@@ -336,7 +341,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             flush=True,
         )
         return 1
-    stopped = [_label(link) for link in host.links if link.watchdog.estopped]
+    stopped = [_label(link) for link in _estopped(host)]
     if stopped:  # latched: a script running the robots must not take this run for a good one
         print(
             f"edgerl robot: {len(stopped)} of {len(stats)} robot(s) ended e-stopped: {', '.join(stopped)}",

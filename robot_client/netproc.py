@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m edgerl.robot_client.netproc FD (started by a RobotHost)", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(args[0]))
-    if hasattr(signal, "SIGUSR1"):  # `edgerl robot`'s operator reset, sent to its whole group
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # `edgerl robot`'s operator reset, sent to its whole group
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(sock))
     return 0
