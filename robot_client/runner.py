@@ -24,7 +24,7 @@ thread by a Unix socket pair: after each slot, also while behind, the control
 thread writes the slot's observations to the socket and takes in the answers
 that came meanwhile, without waiting; while no tick is due it waits on the
 socket. The network process reads the answers off the network on its own
-core time. If it ends, a new one starts a second later. Both use one
+core time. If it ends, a new one starts at once (at most one a second). Both use one
 :class:`~edgerl.robot_client.keeper.StreamKeeper`.
 
 If the server is slow or gone, answers stop arriving; the watchdogs emit
@@ -70,7 +70,9 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG_BYTES = 8 << 20
 """Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
 RESTART_DELAY_S = 1.0
-"""A network process that ended is replaced after this long (seconds)."""
+"""Network processes start at least this long apart (seconds): a lost one is replaced at once, or
+this long after the one before it started, so that one that keeps failing is not restarted in a
+tight loop."""
 
 
 DEFAULT_DEADLINE_MS = 20.0
@@ -368,6 +370,7 @@ class _ProcessOutbox(_Outbox):
         self._out = bytearray()
         self._in = bytearray()
         self._restart_at = math.inf
+        self._started_at = -math.inf
         self._heard_at = math.inf  # the last word from the network process, or the first row since
         self._hung_after_s = netproc.hung_after_s(settings.timeout_s)
         self._closing = False
@@ -379,6 +382,7 @@ class _ProcessOutbox(_Outbox):
         self._out = bytearray(netproc.encode_settings(self.settings))
         self._in.clear()
         self._restart_at = math.inf
+        self._started_at = self.clock.now()
 
     def close(self) -> None:
         """The network process sees the socket close, closes its stream and exits."""
@@ -477,8 +481,9 @@ class _ProcessOutbox(_Outbox):
 
     def _lost(self, hung: bool = False) -> None:
         """The network process exited, its socket broke, or it is ``hung`` (killed then): start
-        a new one in a second."""
-        silent_s, rows = self.clock.now() - self._heard_at, len(self._rows)
+        a new one at once, or :data:`RESTART_DELAY_S` after the last one started."""
+        now = self.clock.now()
+        silent_s, rows = now - self._heard_at, len(self._rows)
         self._disconnect()
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
         if sock is not None:
@@ -491,14 +496,14 @@ class _ProcessOutbox(_Outbox):
             proc.wait()
         self.restarts += 1
         self._out.clear()
-        self._restart_at = self.clock.now() + RESTART_DELAY_S
+        self._restart_at = max(now, self._started_at + RESTART_DELAY_S)
+        when = f"in {self._restart_at - now:.1f}s" if self._restart_at > now else "now"
         if hung:
             log.error("the robots' network process said nothing for %.1fs with %d observation(s) "
-                      "unanswered: killed as hung; a new one starts in %.0fs",
-                      silent_s, rows, RESTART_DELAY_S)  # fmt: skip
+                      "unanswered: killed as hung; a new one starts %s", silent_s, rows, when)  # fmt: skip
         else:
-            log.error("the robots' network process ended (exit code %s); a new one starts in %.0fs",
-                      code, RESTART_DELAY_S)  # fmt: skip
+            log.error("the robots' network process ended (exit code %s); a new one starts %s",
+                      code, when)  # fmt: skip
 
 
 class RobotLink:
