@@ -18,6 +18,10 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   (``i64``), the action shape of one row (``u8`` count, ``u32`` each), then the
   actions (``f32``) and log-probabilities (``f32``). Answers come in the order
   of the rows sent, so the client matches them by position.
+- ``H`` (a network process to its client): nothing more. Written every
+  ``HEARTBEAT_S`` of :mod:`edgerl.robot_client.netproc` while its event loop
+  runs, so that its client hears from a live process also while the server
+  is slow to answer, and takes its silence for a hang.
 
 A network process numbers its streams (epochs) itself. The local Act socket
 keeps no epochs: its ``U`` and ``D`` frames carry 0, and each ``A`` frame the
@@ -53,7 +57,7 @@ RECV_BYTES = 1 << 16
 (128 KiB), as ``socket.recv(n)`` allocates ``n`` bytes before shrinking them to what came. In a
 fresh process a 1 KiB answer took 10 us of CPU to read with ``n`` of 1 MiB, 0.9 us with 64 KiB. (In a
 running sim worker glibc had raised the threshold: strace showed no mapping calls either way.)"""
-CONFIG, OBS, UP, DOWN, ANSWER = b"C", b"O", b"U", b"D", b"A"
+CONFIG, OBS, UP, DOWN, ANSWER, HEARTBEAT = b"C", b"O", b"U", b"D", b"A", b"H"
 _OBS = struct.Struct("<cIII")
 _STATE = struct.Struct("<cI")
 _ANSWER = struct.Struct("<cIIqB")

@@ -372,7 +372,6 @@ class _ProcessOutbox(_Outbox):
         self._restart_at = math.inf
         self._started_at = -math.inf
         self._heard_at = math.inf  # the last word from the network process, or the first row since
-        self._hung_after_s = netproc.hung_after_s(settings.timeout_s)
         self._closing = False
         self._timers: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._timer_seq = 0
@@ -473,7 +472,7 @@ class _ProcessOutbox(_Outbox):
                 self._up(frames.decode_state(payload))
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
-        if self._rows and self.clock.now() - self._heard_at > self._hung_after_s:
+        if self._rows and self.clock.now() - self._heard_at > netproc.HUNG_AFTER_S:
             self._lost(hung=True)
             return
         self._run_timers()

@@ -393,8 +393,8 @@ class _NetworkEnd:
         self._sock.sendall(netproc.encode_settings(settings))
         self._in = bytearray()
         self._frames: deque[bytes] = deque()
-        self._hung_after_s = netproc.hung_after_s(settings.timeout_s)
-        self._waiting_since: float | None = None  # the first send since the process last spoke
+        self._heard_at: float | None = None  # the process's last word (or the first send); None until
+        # the first send: a process that is starting up is not judged
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
         """Send ``rows`` to the network process.
@@ -402,15 +402,15 @@ class _NetworkEnd:
         Raises:
             EdgeRLError: the network process ended.
         """
-        if self._waiting_since is None:
-            self._waiting_since = time.monotonic()
+        if self._heard_at is None:
+            self._heard_at = time.monotonic()
         try:
             self._sock.sendall(frames.encode_obs(epoch, rows))
         except OSError:  # the process is gone: a broken pipe, or a reset connection
             raise self._ended() from None
 
     def receive(self, timeout_s: float) -> bytes:
-        """The next frame, or b"" if none came within ``timeout_s``.
+        """The next frame, or b"" if none came within ``timeout_s`` (heartbeats are taken in here).
 
         Raises:
             EdgeRLError: the network process ended, or it is hung (it is killed then).
@@ -422,18 +422,18 @@ class _NetworkEnd:
                 got = None
             if got is None:
                 raise self._ended()
+            now = time.monotonic()
             if got:
-                self._frames.extend(got)
-                self._waiting_since = None
-            elif self._waiting_since is not None:
-                silent_s = time.monotonic() - self._waiting_since
-                if silent_s > self._hung_after_s:
-                    self._proc.kill()
-                    self._proc.wait()
-                    raise errors.EdgeRLError(
-                        f"the sim worker's network process said nothing for {silent_s:.1f}s with "
-                        "observations unanswered: killed as hung"
-                    )
+                self._frames.extend(frame for frame in got if frame[:1] != frames.HEARTBEAT)
+                if self._heard_at is not None:
+                    self._heard_at = now
+            elif self._heard_at is not None and now - self._heard_at > netproc.HUNG_AFTER_S:
+                self._proc.kill()
+                self._proc.wait()
+                raise errors.EdgeRLError(
+                    f"the sim worker's network process said nothing for {now - self._heard_at:.1f}s, "
+                    "heartbeats included: killed as hung"
+                )
         return self._frames.popleft() if self._frames else b""
 
     def _ended(self) -> errors.EdgeRLError:

@@ -19,7 +19,7 @@ from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
-from edgerl.robot_client.netproc import HANG_GRACE_S
+from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server, waited
 
@@ -104,11 +104,11 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
     ("sig", "message", "within_s"),
     [
         (signal.SIGKILL, r"network process ended \(exit code -9\)$", (0.0, 1.0)),
-        # the process hangs: after twice the stream's timeout and a second it is killed
+        # the process hangs: its heartbeats stop, and after HUNG_AFTER_S it is killed
         (
             signal.SIGSTOP,
-            r"network process said nothing for 2\.\ds with observations unanswered: killed as hung$",
-            (2 * 0.5 + HANG_GRACE_S - 0.1, 2 * 0.5 + HANG_GRACE_S + 1.0),
+            r"network process said nothing for 0\.\ds, heartbeats included: killed as hung$",
+            (HUNG_AFTER_S - 0.1, HUNG_AFTER_S + 1.0),
         ),
     ],
     ids=["killed", "hung"],
@@ -142,6 +142,29 @@ def test_a_sim_worker_whose_network_process_dies_or_hangs_fails_naming_it(
             worker.close()
         assert within_s[0] <= took <= within_s[1]
         assert proc.poll() == -signal.SIGKILL  # killed, not left stopped behind
+
+    run(main())
+
+
+def test_a_sim_worker_keeps_a_network_process_whose_server_answers_late() -> None:
+    """Each forward pass takes 0.9 s, within the stream's timeout: for longer than HUNG_AFTER_S at
+    a time the worker hears only its network process's heartbeats, and that is enough."""
+    delay_s = 0.9
+    assert delay_s > HUNG_AFTER_S
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1, delay_s=delay_s)) as server:
+            worker = _worker(
+                server=f"127.0.0.1:{server.port}",
+                num_envs=4,
+                groups=2,
+                max_steps=12,
+                timeout_s=3.0,
+                network_process=True,
+            )
+            progress = await asyncio.wait_for(worker.run(), 60)
+            worker.close()
+        assert progress.steps == 12 and progress.reconnects == 0
 
     run(main())
 
