@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend, PolicyResult
+from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.watchdog.sched import no_wakeup_preemption
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 import numpy as np
 
+from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
-from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb

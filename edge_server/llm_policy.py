@@ -45,7 +45,7 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend, PolicyResult, check_weights
+from edgerl.edge_server.backend import PolicyBackend, PolicyResult, check_weights
 from edgerl.models.llm import ObsActionCodec
 
 log = logging.getLogger(__name__)

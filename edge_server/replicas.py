@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend, PolicyResult
+from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 
 log = logging.getLogger(__name__)
 

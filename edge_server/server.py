@@ -16,10 +16,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
+from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
-from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.v1 import edge_pb2 as pb

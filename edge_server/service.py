@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import (
     BatcherClosedError,
     BatchResult,
@@ -19,7 +20,6 @@ from edgerl.edge_server.batcher import (
     TooManyInflightError,
     percentile,
 )
-from edgerl.edge_server.policy import PolicyBackend
 from edgerl.edge_server.transitions import EnvBusyError, StreamHandle, TransitionStore
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
 from edgerl.proto import tensors

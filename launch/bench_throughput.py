@@ -169,7 +169,7 @@ NETWORK_PROCESS_BELOW = 0.25
 REPLICAS_ABOVE = 3.0
 """Inference costlier than this multiple of env stepping: a policy replica per CPU. Well above the
 ``mlp-large`` preset, whose cost is about that of env stepping (0.92-0.94 of it: see
-:data:`edgerl.models.mlp.POLICY_PRESETS`) and in some noisy first runs came out above it: those
+:data:`edgerl.models.presets.POLICY_PRESETS`) and in some noisy first runs came out above it: those
 chose two replicas on the two CPUs and ran at 0.82x the in-process loop (0.81x with
 ``--replicas 2 --worker-cpus off`` given); well below the ``llm`` policy's ~12x."""
 BACKFILL_SHARE = 0.375

@@ -1,7 +1,7 @@
 """``edgerl train``: edge server, sim workers and the PPO trainer on loopback.
 
 Configuration is one :class:`RunConfig` (with the trainer's
-:class:`~edgerl.trainer.trainer.TrainerConfig` under ``ppo``). Values come
+:class:`~edgerl.trainer.config.TrainerConfig` under ``ppo``). Values come
 from, in increasing priority: the dataclass defaults, a TOML file (``--config``,
 or the tuned file shipped for the env in ``launch/configs/``), the command-line
 flags, and ``--set key=value`` overrides (e.g. ``--set ppo.learning_rate=1e-3``).
@@ -40,7 +40,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
 )
 from edgerl.robot_client.sim_worker import SimWorkerConfig
-from edgerl.trainer.trainer import TrainerConfig
+from edgerl.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 

@@ -2,17 +2,26 @@
 
 The two never import each other (they talk over gRPC); both import the
 network definition from here, so a published ``state_dict`` always fits.
+The networks are imported on first use: ``POLICY_PRESETS`` and ``LOG_2PI``
+come without torch, so that a process that only reads them (a launcher, a
+sim worker, a robot host) never loads it.
 """
 
-from edgerl.models.mlp import (
-    LOG_2PI,
-    POLICY_PRESETS,
-    GaussianMLPPolicy,
-    RunningNorm,
-    build_policy,
-    gaussian_log_prob,
-    mlp_linears,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from edgerl.models.presets import LOG_2PI, POLICY_PRESETS
+
+if TYPE_CHECKING:
+    from edgerl.models.mlp import GaussianMLPPolicy as GaussianMLPPolicy
+    from edgerl.models.mlp import RunningNorm as RunningNorm
+    from edgerl.models.mlp import build_policy as build_policy
+    from edgerl.models.mlp import gaussian_log_prob as gaussian_log_prob
+    from edgerl.models.mlp import mlp_linears as mlp_linears
+
+_FROM_MLP = ("GaussianMLPPolicy", "RunningNorm", "build_policy", "gaussian_log_prob", "mlp_linears")
 
 __all__ = [
     "LOG_2PI",
@@ -23,3 +32,9 @@ __all__ = [
     "gaussian_log_prob",
     "mlp_linears",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_MLP:
+        return getattr(importlib.import_module("edgerl.models.mlp"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from edgerl.edge_server.policy import PolicyBackend, PolicyResult
+from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
+from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
-from edgerl.edge_server.policy import PolicyResult
 from tests.helpers import EchoPolicy, run
 
 

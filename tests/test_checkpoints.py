@@ -19,7 +19,8 @@ from edgerl.launch.processes import PolicySpec, build_backend
 from edgerl.models import GaussianMLPPolicy, build_policy, gaussian_log_prob
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
-from edgerl.trainer.trainer import Trainer, TrainerConfig, load_payload
+from edgerl.trainer.config import TrainerConfig
+from edgerl.trainer.trainer import Trainer, load_payload
 from tests.helpers import EDGERL, random_batch, serving
 
 CHEETAH = env_spec("HalfCheetah-v5")  # 17 observation values, 6 action values

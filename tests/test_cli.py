@@ -453,10 +453,16 @@ def _in_group(pgid: int) -> list[int]:
     return pids
 
 
-def _terminated(args: list[str], tmp_path: Path, ready: Callable[[str, str], bool]) -> tuple[int, str]:
-    """Run ``edgerl ARGS`` in a session of its own until ``ready(stdout, stderr)``, send it SIGTERM
-    (as ``kill``, ``timeout`` and ``systemctl stop`` do), and wait; its exit status and stderr.
-    Fails the test if a process of the command is left behind."""
+def _terminated(
+    args: list[str],
+    tmp_path: Path,
+    ready: Callable[[str, str], bool],
+    when_ready: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
+    """Run ``edgerl ARGS`` in a session of its own until ``ready(stdout, stderr)``, call
+    ``when_ready(pgid)`` (its process group's id), send it SIGTERM (as ``kill``, ``timeout`` and
+    ``systemctl stop`` do), and wait; its exit status and stderr. Fails the test if a process of
+    the command is left behind."""
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
     with out_path.open("w") as out, err_path.open("w") as err:
         proc = subprocess.Popen([*EDGERL, *args], stdout=out, stderr=err, start_new_session=True)
@@ -466,6 +472,8 @@ def _terminated(args: list[str], tmp_path: Path, ready: Callable[[str, str], boo
             assert proc.poll() is None, err_path.read_text()
             assert time.monotonic() < deadline, "the command never got going"
             time.sleep(0.2)
+        if when_ready is not None:
+            when_ready(proc.pid)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
         assert wait_until(lambda: not _in_group(proc.pid), timeout_s=10), _in_group(proc.pid)  # init reaps
@@ -528,6 +536,48 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
     assert ticks >= 50  # at 50 Hz for the 2 s before its first report
     assert (bag / "metadata.yaml").exists()  # written when the bag is closed
     assert len(next(iter(read_bag(bag).values()))) == ticks  # every tick recorded
+
+
+def _torch_free(pgid: int, processes: int) -> None:
+    """The live processes of group ``pgid`` (a command and its children, at least ``processes``
+    of them, multiprocessing's resource tracker aside) have not loaded torch: no library of it is
+    mapped."""
+    pids = _in_group(pgid)
+    assert len(pids) >= processes, pids
+    for pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps, Path(f"/proc/{pid}/cmdline").read_text()
+
+
+@pytest.mark.parametrize(
+    ("command", "processes"),
+    [(["robot", "--network-process"], 2), (["sim", "--envs", "2", "--workers", "2"], 3)],
+    ids=["robot-and-its-network-process", "sim-and-its-workers"],
+)
+def test_robots_and_sim_workers_run_without_torch(tmp_path: Path, command: list[str], processes: int) -> None:
+    """A robot host, its network process and sim workers step envs and stream: none of them
+    needs torch, and none loads it (~180 MB and ~1.5 s of start-up each, on a robot's computer too)."""
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=0), spec.act_low, spec.act_high)
+    with ServerThread(backend) as server:
+        args = [*command, "--server", server.address]
+        args += (
+            ["--robot-arg", "env=InvertedPendulum-v5"]
+            if command[0] == "robot"
+            else ["--env", "InvertedPendulum-v5"]
+        )
+        running = "edgerl robot: ticks" if command[0] == "robot" else "episodes="
+        code, err = _terminated(
+            args,
+            tmp_path,
+            lambda out, err: running in out + err,
+            lambda pgid: _torch_free(pgid, processes),
+        )
+        assert server.server is not None
+        served = server.server.batcher.stats.rows
+    assert served > 0  # they streamed
+    assert code == 0, err
+    assert "Traceback" not in err, err
 
 
 def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> None:

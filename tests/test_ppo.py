@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from edgerl.models import build_policy
+from edgerl.trainer.config import TrainerConfig
 from edgerl.trainer.ppo import (
     LossCoefs,
     gae,
@@ -22,7 +23,7 @@ from edgerl.trainer.ppo import (
     segment_positions,
 )
 from edgerl.trainer.segments import Batch, RewardScaler, RunningMeanStd
-from edgerl.trainer.trainer import Trainer, TrainerConfig
+from edgerl.trainer.trainer import Trainer
 from tests.helpers import random_batch, unclosed_resources
 
 F = np.float32

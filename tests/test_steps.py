@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edgerl.models import GaussianMLPPolicy, build_policy
+from edgerl.trainer.config import TrainerConfig
 from edgerl.trainer.policies import Evaluation, GaussianTrainable, TrainablePolicy
 from edgerl.trainer.ppo import LossCoefs
 from edgerl.trainer.steps import (
@@ -20,7 +21,7 @@ from edgerl.trainer.steps import (
     Targets,
     minibatch_step,
 )
-from edgerl.trainer.trainer import Trainer, TrainerConfig
+from edgerl.trainer.trainer import Trainer
 from tests.helpers import random_batch
 
 OBS, ACT, K = 7, 3, 48

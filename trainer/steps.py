@@ -37,11 +37,9 @@ import torch
 from torch import nn
 
 from edgerl.models import LOG_2PI, mlp_linears
+from edgerl.trainer.config import check_backend
 from edgerl.trainer.policies import GaussianTrainable, TrainablePolicy
 from edgerl.trainer.ppo import GAUSSIAN_ENTROPY_CONST, LossCoefs, ppo_loss
-
-#: ``update_backend`` choices (``TrainerConfig``).
-BACKENDS = ("auto", "autograd", "numpy")
 
 
 class FlatParams:
@@ -358,12 +356,6 @@ class GaussianMLPStep(MinibatchStep):
                 grad *= coef
         self.optimizer.step(grad)
         return stats
-
-
-def check_backend(backend: str) -> None:
-    """Raise ValueError unless ``backend`` is one of :data:`BACKENDS`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"update_backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def minibatch_step(

@@ -1,0 +1,98 @@
+"""The ``PolicyBackend`` interface: what the edge server needs of a policy.
+
+A backend is called from exactly one thread, the batcher's inference thread,
+so implementations need no locking; weight swaps run on that same thread
+between two batches. This module imports no torch: the server's modules, and
+the clients and launchers that import them for their settings, start without
+it (a sim worker or a robot host never loads torch). The torch backend is
+:class:`~edgerl.edge_server.policy.TorchPolicyBackend`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """Output of one forward pass over a batch of ``n`` observations."""
+
+    actions: np.ndarray
+    """float32 ``[n, *act_shape]``: raw policy samples, unclipped."""
+    log_probs: np.ndarray
+    """float32 ``[n]``: log-probability of each action (nats)."""
+    values: np.ndarray | None = None
+    """float32 ``[n]``: state-value estimates, or None if the backend computes none."""
+
+
+def check_weights(weights: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Check that ``weights`` has exactly the tensors of ``expected`` (name to shape).
+
+    Raises:
+        KeyError: a tensor is missing or unknown (up to five of each are named).
+        ValueError: a tensor has another shape.
+    """
+    missing = sorted(set(expected) - set(weights))
+    unknown = sorted(set(weights) - set(expected))
+    if missing or unknown:
+        raise KeyError(f"weights: missing {missing[:5]}, unknown {unknown[:5]}")
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(expected[name]):
+            raise ValueError(
+                f"weights[{name!r}]: expected shape {list(expected[name])}, got {list(value.shape)}"
+            )
+
+
+class PolicyBackend(abc.ABC):
+    """What the edge server needs of a policy."""
+
+    #: Short name reported by ``Describe`` (e.g. ``"torch-mlp"``).
+    name: str = "policy"
+    #: Actions per observation; a backend with ``chunk > 1`` returns ``[n, chunk, *act_shape]``.
+    chunk: int = 1
+    #: Batches the backend takes at once: above 1, :meth:`infer` is called from that many
+    #: threads concurrently (a backend that batches continuously inside, e.g. vLLM).
+    pipeline_depth: int = 1
+
+    def __init__(
+        self,
+        obs_shape: tuple[int, ...],
+        act_shape: tuple[int, ...],
+        act_low: np.ndarray,
+        act_high: np.ndarray,
+        version: int = 0,
+    ) -> None:
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        self.obs_shape = tuple(obs_shape)
+        self.act_shape = tuple(act_shape)
+        self.act_low = np.asarray(act_low, dtype=np.float32).reshape(self.act_shape)
+        self.act_high = np.asarray(act_high, dtype=np.float32).reshape(self.act_shape)
+        self.version = version
+
+    @abc.abstractmethod
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        """Actions for float32 observations ``[n, *obs_shape]`` (n >= 1)."""
+
+    def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Swap in new weights and stamp them ``version``; called between two batches.
+
+        Raises:
+            KeyError, ValueError: a tensor is missing, unknown or of the wrong shape;
+                the served weights are then unchanged.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not take weight updates")
+
+    def init_thread(self) -> None:  # noqa: B027 - optional: most backends need no per-thread set-up
+        """Called once in each thread that will call :meth:`infer`, before its first call."""
+
+    def warmup(self, rows: int = 8) -> None:
+        """Run one dummy batch so the first real request does not pay for lazy init."""
+        self.infer(np.zeros((rows, *self.obs_shape), dtype=np.float32))
+
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to release
+        """Release what the backend holds (threads, engines); it takes no batches after this."""
