@@ -274,9 +274,13 @@ def announce_estops(host: RobotHost, announced: set[str]) -> set[str]:
 
 
 def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
-    robots = build_robots(a)
     stop, reset = threading.Event(), threading.Event()
-    with on_stop_signals(lambda *_: stop.set()), on_signals((RESET_SIGNAL,), lambda *_: reset.set()):
+    with contextlib.ExitStack() as handlers:
+        # The reset signal is taken before the robots connect (a driver may take seconds): sent
+        # meanwhile, its default action would end the command.
+        handlers.enter_context(on_signals((RESET_SIGNAL,), lambda *_: reset.set()))
+        robots = build_robots(a)
+        handlers.enter_context(on_stop_signals(lambda *_: stop.set()))
         # Ctrl-C or SIGTERM ends the waits for the server at once: the robots then stop untouched.
         try:  # the server's shapes are checked before any robot is touched
             asked = a.deadline_ms is None or a.refill_at is None  # else no chunk is needed

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import (
+    EDGERL,
     EchoPolicy,
     ServerThread,
     check_machine_block,
@@ -69,6 +72,15 @@ class CounterRobot:
 
     def close(self) -> None:
         pass
+
+
+class SlowRobot(CounterRobot):
+    """A :class:`CounterRobot` whose driver takes a second to connect; it says so on stderr first."""
+
+    def __init__(self, name: str = "counter", rid: int = 0) -> None:
+        print("a robot driver: connecting", file=sys.stderr, flush=True)
+        time.sleep(1.0)
+        super().__init__(name, rid)
 
 
 def _run(host: RobotHost, seconds: float) -> list[dict[str, Any]]:
@@ -388,6 +400,29 @@ def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
     # margin (40 ms of actions left against 30 ms late) may cost a few more: 90 %, against 0 %
     chunk = stats["chunk"]
     assert chunk["ticks"] >= 60 and chunk["policy_ticks"] >= 0.9 * chunk["ticks"], chunk
+
+
+def test_a_reset_signal_while_the_robots_connect_does_not_end_edgerl_robot(tmp_path: Any) -> None:
+    """SIGUSR1 (the operator's e-stop reset) sent while a robot's driver connects: the command
+    runs on, its robot gets policy actions, and it ends 0 (before, the signal's default action
+    killed it)."""
+    out, err_path = tmp_path / "robot.json", tmp_path / "err.txt"
+    with ServerThread(EchoPolicy(3, 2)) as srv, err_path.open("w") as err:
+        args = ["robot", "--server", srv.address, "--robot", "tests.test_robot:SlowRobot",
+                "--seconds", "2", "--json", str(out)]  # fmt: skip
+        proc = subprocess.Popen([*EDGERL, *args], stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            connecting = wait_until(lambda: "a robot driver: connecting" in err_path.read_text(), 60, 0.01)
+            assert connecting, err_path.read_text()
+            os.kill(proc.pid, signal.SIGUSR1)  # within the driver's second of connecting
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == 0, (code, err_path.read_text())
+    (robot,) = json.loads(out.read_text())["robots"]
+    assert robot["policy_ticks"] >= 50  # driven for most of its 2 s at 50 Hz
 
 
 def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
