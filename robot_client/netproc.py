@@ -51,6 +51,10 @@ from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
 from edgerl.watchdog.sched import for_each_thread
 
+RESTART_DELAY_S = 1.0
+"""Network processes of one robot host or sim worker start at least this long apart (seconds): a
+lost one is replaced at once, or this long after the one before it started, so that one that
+keeps failing is not restarted in a tight loop."""
 HEARTBEAT_S = 0.1
 """A network process writes a heartbeat frame this often (seconds), from its event loop."""
 HUNG_AFTER_S = 0.5

@@ -69,10 +69,6 @@ log = logging.getLogger(__name__)
 
 MAX_BACKLOG_BYTES = 8 << 20
 """Observations waiting for a stuck network process beyond this are dropped (their robots fall back)."""
-RESTART_DELAY_S = 1.0
-"""Network processes start at least this long apart (seconds): a lost one is replaced at once, or
-this long after the one before it started, so that one that keeps failing is not restarted in a
-tight loop."""
 
 
 DEFAULT_DEADLINE_MS = 20.0
@@ -480,7 +476,7 @@ class _ProcessOutbox(_Outbox):
 
     def _lost(self, hung: bool = False) -> None:
         """The network process exited, its socket broke, or it is ``hung`` (killed then): start
-        a new one at once, or :data:`RESTART_DELAY_S` after the last one started."""
+        a new one at once, or ``netproc.RESTART_DELAY_S`` after the last one started."""
         now = self.clock.now()
         silent_s, rows = now - self._heard_at, len(self._rows)
         self._disconnect()
@@ -495,7 +491,7 @@ class _ProcessOutbox(_Outbox):
             proc.wait()
         self.restarts += 1
         self._out.clear()
-        self._restart_at = max(now, self._started_at + RESTART_DELAY_S)
+        self._restart_at = max(now, self._started_at + netproc.RESTART_DELAY_S)
         when = f"in {self._restart_at - now:.1f}s" if self._restart_at > now else "now"
         if hung:
             log.error("the robots' network process said nothing for %.1fs with %d observation(s) "

@@ -17,9 +17,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import random
 import socket
+import subprocess
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -294,8 +296,9 @@ class SimWorker:
         failed stream is never answered).
 
         Raises:
-            ServerUnavailableError: no working stream for ``give_up_after_s``.
-            EdgeRLError: any other failure of the stream, or the network process ended.
+            ServerUnavailableError: no working stream for ``give_up_after_s`` (a network
+                process that keeps failing is one).
+            EdgeRLError: any other failure of the stream.
         """
         cfg = self.config
         groups, progress = self._groups, self.progress
@@ -317,6 +320,7 @@ class SimWorker:
         answered = _Rows()
         failing_since = time.monotonic()  # without a stream since; reset by a stream that answered
         since_up = False  # an answer came on the open stream
+        last_failure = "no stream opened yet"
         next_report = 0.0
         try:
             while not self._done(should_stop):
@@ -332,7 +336,7 @@ class SimWorker:
                     continue
                 if epoch == 0 and now - failing_since > cfg.give_up_after_s:
                     raise errors.ServerUnavailableError(
-                        f"no working stream to {where} for {cfg.give_up_after_s:.0f}s"
+                        f"no working stream to {where} for {cfg.give_up_after_s:.0f}s ({last_failure})"
                     )
                 payload = net.receive(0.1)
                 kind = payload[:1]
@@ -359,7 +363,8 @@ class SimWorker:
                     if since_up:  # the last stream worked: count the outage from now
                         failing_since, since_up = time.monotonic(), False
                     progress.reconnects += 1
-                    log.warning("server %s unavailable (%s); reconnecting", where, error.details)
+                    last_failure = error.details
+                    log.warning("stream to %s failed (%s); reconnecting", where, error.details)
         finally:
             net.close()
             report()
@@ -385,66 +390,113 @@ class _Rows:
 
 
 class _NetworkEnd:
-    """A sim worker's end of its network process: frames out, frames in (blocking)."""
+    """A sim worker's end of its network process: frames out, frames in (blocking).
+
+    A network process that ends, or hangs (it is killed then), is replaced as a robot host's is:
+    at once, or :data:`~edgerl.robot_client.netproc.RESTART_DELAY_S` after the one before it
+    started. Its loss reaches the worker as a ``D`` frame (UNAVAILABLE) of the last stream it
+    opened, and the new one's stream as a ``U`` frame, as a reconnect would; a worker that has
+    no stream for ``give_up_after_s`` gives up.
+    """
 
     def __init__(self, settings: StreamSettings) -> None:
-        self._sock, self._proc = netproc.spawn()
-        self._sock.setblocking(True)
-        self._sock.sendall(netproc.encode_settings(settings))
-        self._in = bytearray()
+        self._settings = settings
         self._frames: deque[bytes] = deque()
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._in = bytearray()
         self._heard_at: float | None = None  # the process's last word (or the first send); None until
         # the first send: a process that is starting up is not judged
+        self._epoch = 0  # the last stream the process said was up
+        self._started_at = -math.inf
+        self._restart_at = 0.0
+        self._start()
+
+    def _start(self) -> None:
+        self._sock, self._proc = netproc.spawn()
+        self._sock.setblocking(True)
+        self._in.clear()
+        self._heard_at, self._epoch, self._started_at = None, 0, time.monotonic()
+        with contextlib.suppress(OSError):  # it ended at once: seen by the next receive
+            self._sock.sendall(netproc.encode_settings(self._settings))
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
-        """Send ``rows`` to the network process.
-
-        Raises:
-            EdgeRLError: the network process ended.
-        """
+        """Send ``rows`` to the network process (dropped while it is being replaced: the worker
+        sends every group's rows again on the new one's first stream)."""
+        if self._sock is None:
+            return
         if self._heard_at is None:
             self._heard_at = time.monotonic()
         try:
             self._sock.sendall(frames.encode_obs(epoch, rows))
         except OSError:  # the process is gone: a broken pipe, or a reset connection
-            raise self._ended() from None
+            self._ended()
 
     def receive(self, timeout_s: float) -> bytes:
-        """The next frame, or b"" if none came within ``timeout_s`` (heartbeats are taken in here).
-
-        Raises:
-            EdgeRLError: the network process ended, or it is hung (it is killed then).
-        """
+        """The next frame, or b"" if none came within ``timeout_s`` (heartbeats are taken in here)."""
         if not self._frames:
-            try:
-                got = frames.read_frames(self._sock, self._in, timeout_s)
-            except OSError:  # a process killed with data unread resets the socket
-                got = None
-            if got is None:
-                raise self._ended()
-            now = time.monotonic()
-            if got:
-                self._frames.extend(frame for frame in got if frame[:1] != frames.HEARTBEAT)
-                if self._heard_at is not None:
-                    self._heard_at = now
-            elif self._heard_at is not None and now - self._heard_at > netproc.HUNG_AFTER_S:
-                self._proc.kill()
-                self._proc.wait()
-                raise errors.EdgeRLError(
-                    f"the sim worker's network process said nothing for {now - self._heard_at:.1f}s, "
-                    "heartbeats included: killed as hung"
-                )
+            if self._sock is None:
+                self._restart(timeout_s)
+            else:
+                self._read(timeout_s)
         return self._frames.popleft() if self._frames else b""
 
-    def _ended(self) -> errors.EdgeRLError:
-        """The error of a network process whose socket closed or failed (stopped, as by
-        :meth:`close`, if it is still running)."""
+    def _restart(self, timeout_s: float) -> None:
+        wait = self._restart_at - time.monotonic()
+        if wait > 0:
+            time.sleep(min(wait, timeout_s))
+            return
+        self._start()
+
+    def _read(self, timeout_s: float) -> None:
+        assert self._sock is not None
+        try:
+            got = frames.read_frames(self._sock, self._in, timeout_s)
+        except OSError:  # a process killed with data unread resets the socket
+            got = None
+        if got is None:
+            self._ended()
+            return
+        now = time.monotonic()
+        if not got:
+            if self._heard_at is not None and now - self._heard_at > netproc.HUNG_AFTER_S:
+                self._lost(
+                    f"said nothing for {now - self._heard_at:.1f}s, heartbeats included: killed as hung"
+                )
+            return
+        if self._heard_at is not None:
+            self._heard_at = now
+        for payload in got:
+            kind = payload[:1]
+            if kind == frames.UP:
+                self._epoch = frames.decode_state(payload)
+            if kind != frames.HEARTBEAT:
+                self._frames.append(payload)
+
+    def _ended(self) -> None:
+        """The process's socket closed or failed: it ended (or is stopped, if it still runs)."""
+        assert self._sock is not None and self._proc is not None
         netproc.stop(self._sock, self._proc)
-        code = self._proc.returncode
-        return errors.EdgeRLError(f"the sim worker's network process ended (exit code {code})")
+        self._lost(f"ended (exit code {self._proc.returncode})")
+
+    def _lost(self, why: str) -> None:
+        """Kill the process if it still runs, report its stream failed, and replace it."""
+        sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if sock is not None:
+            sock.close()
+        now = time.monotonic()
+        self._restart_at = max(now, self._started_at + netproc.RESTART_DELAY_S)
+        when = f"in {self._restart_at - now:.1f}s" if self._restart_at > now else "now"
+        details = f"the sim worker's network process {why}; a new one starts {when}"
+        self._frames.append(frames.failure_payload(self._epoch, "UNAVAILABLE", details))
 
     def close(self) -> None:
-        netproc.stop(self._sock, self._proc)
+        if self._sock is not None and self._proc is not None:
+            netproc.stop(self._sock, self._proc)
+            self._sock = self._proc = None
 
 
 class _LocalEnd:

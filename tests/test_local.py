@@ -513,7 +513,7 @@ def test_sim_worker_rides_through_a_server_process_killed_without_a_word(
     # EOF, or ECONNRESET where the server died with bytes of the worker's unread
     closed = [f"the server closed the local socket {path}", f"the local socket {path} failed"]
     lost = "|".join(map(re.escape, closed))
-    assert re.search(rf"server {re.escape(path)} unavailable \(({lost})", caplog.text), caplog.text
+    assert re.search(rf"stream to {re.escape(path)} failed \(({lost})", caplog.text), caplog.text
 
 
 def test_worker_end_reassembles_answers_longer_than_one_read(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ import pytest
 from edgerl.proto import frames
 from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import StreamSettings, concat_rows
-from edgerl.robot_client.netproc import HUNG_AFTER_S
-from edgerl.robot_client.runner import RESTART_DELAY_S, RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.robot_client.netproc import HUNG_AFTER_S, RESTART_DELAY_S
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread, wait_until
