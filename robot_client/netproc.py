@@ -66,6 +66,13 @@ a hung one before its robots' default e-stop (50 fallbacks, 1 s at 50 Hz); under
 loops on this 2-core machine a sim worker's network process was silent for 28 ms at most."""
 
 
+def next_start(started_at: float, now: float) -> tuple[float, str]:
+    """When to replace a network process that started at ``started_at`` and was lost at ``now``
+    (:data:`RESTART_DELAY_S`), and how a log line says it ("now", "in 0.4s")."""
+    at = max(now, started_at + RESTART_DELAY_S)
+    return at, f"in {at - now:.1f}s" if at > now else "now"
+
+
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
     details = error.details if isinstance(error, errors.RpcError) else str(error)
     return encode_failure(epoch, errors.code_of(error), details)

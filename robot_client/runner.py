@@ -491,8 +491,7 @@ class _ProcessOutbox(_Outbox):
             proc.wait()
         self.restarts += 1
         self._out.clear()
-        self._restart_at = max(now, self._started_at + netproc.RESTART_DELAY_S)
-        when = f"in {self._restart_at - now:.1f}s" if self._restart_at > now else "now"
+        self._restart_at, when = netproc.next_start(self._started_at, now)
         if hung:
             log.error("the robots' network process said nothing for %.1fs with %d observation(s) "
                       "unanswered: killed as hung; a new one starts %s", silent_s, rows, when)  # fmt: skip

@@ -487,9 +487,7 @@ class _NetworkEnd:
             proc.wait()
         if sock is not None:
             sock.close()
-        now = time.monotonic()
-        self._restart_at = max(now, self._started_at + netproc.RESTART_DELAY_S)
-        when = f"in {self._restart_at - now:.1f}s" if self._restart_at > now else "now"
+        self._restart_at, when = netproc.next_start(self._started_at, time.monotonic())
         details = f"the sim worker's network process {why}; a new one starts {when}"
         self._frames.append(frames.failure_payload(self._epoch, "UNAVAILABLE", details))
 
