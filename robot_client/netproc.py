@@ -99,8 +99,12 @@ def decode_settings(payload: bytes) -> StreamSettings:
 
 async def _main(sock: socket.socket) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-    cfg = decode_settings(await reader.readexactly(n))
+    try:
+        (n,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+        cfg = decode_settings(await reader.readexactly(n))
+    except (asyncio.IncompleteReadError, ConnectionError):  # its host ended (or gave it up) first
+        writer.close()
+        return
     logging.basicConfig(level=cfg.log_level, format="%(levelname)s %(name)s[net]: %(message)s")
     # Started from the control thread (a restart), it would inherit that thread's CPU and
     # real-time priority: the network process takes neither.

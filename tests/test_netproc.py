@@ -7,6 +7,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -101,6 +103,20 @@ def test_stream_settings_round_trip_security() -> None:
 
 def test_the_child_refuses_a_bad_command_line() -> None:
     assert netproc.main([]) == 2 and netproc.main(["x"]) == 2
+
+
+def test_a_network_process_whose_host_goes_before_its_settings_exits_quietly() -> None:
+    """Its host ended (or gave it up) before writing the settings: it exits 0, and says nothing."""
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgerl.robot_client.netproc", str(child.fileno())],
+        pass_fds=(child.fileno(),),
+        stderr=subprocess.PIPE,
+    )
+    child.close()
+    parent.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == b"", err.decode()
 
 
 def _cpus_of(pid: int) -> set[int]:
