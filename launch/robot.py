@@ -233,15 +233,30 @@ def _label(link: RobotLink) -> str:
     return link.robot.name or f"robot {link.index}"
 
 
-def _line(stats: list[dict[str, Any]]) -> str:
+def stream_stats(host: RobotHost) -> dict[str, Any]:
+    """The host's stream: up or not, streams that failed (or could not be opened), answers, and
+    (with a network process) how often that process was replaced."""
+    return {
+        "connected": host.connected,
+        "reconnects": host.reconnects,
+        "messages": host.messages,
+        "network_restarts": host.network_restarts,
+    }
+
+
+def _line(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str:
     ticks = sum(s["ticks"] for s in stats)
     fb = sum(s["fallbacks"] for s in stats)
     lat = [s["latency_ms_p50"] for s in stats if not np.isnan(s["latency_ms_p50"])]
+    restarts = (
+        f", {stream['network_restarts']} network process restarts" if stream["network_restarts"] else ""
+    )
     return (
         f"ticks {ticks}  fallbacks {fb} ({fb / max(1, ticks):.2%})  "
         f"e-stopped {sum(s['estopped'] for s in stats)}/{len(stats)}  "
         f"latency p50 {f'{np.median(lat):.1f} ms' if lat else '- (no answer yet)'}  "
-        f"version {max(s['policy_version'] for s in stats)}"
+        f"version {max(s['policy_version'] for s in stats)}  "
+        f"stream {'up' if stream['connected'] else 'down'} ({stream['reconnects']} reconnects{restarts})"
     )
 
 
@@ -324,13 +339,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end
-                    print(f"edgerl robot: {_line(host.stats())}", flush=True)
+                    print(f"edgerl robot: {_line(host.stats(), stream_stats(host))}", flush=True)
+            stream = stream_stats(host)  # as it was running: stopping the host closes the stream
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
-    print(jsonout.dumps({"robots": stats}, indent=2))
+    print(jsonout.dumps({"robots": stats, "stream": stream}, indent=2))
     if a.json:
-        jsonout.write_json({"robots": stats}, a.json)
+        jsonout.write_json({"robots": stats, "stream": stream}, a.json)
     if host.control_error is not None:
         # the loop's last ticks e-stopped them: each ramped to its stop action, within a bound
         left = [_label(link) for link in host.links if not link.watchdog.at_stop_action]

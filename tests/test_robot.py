@@ -488,6 +488,8 @@ def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
         ("robot-0", 1, False), ("robot-1", 1, False)
     ]  # fmt: skip
     assert all(r["policy_ticks"] >= 25 for r in robots)
+    stream = json.loads(out.read_text())["stream"]
+    assert stream["connected"] and stream["reconnects"] >= 1  # down at the start, up at the end
     lines = capsys.readouterr().out.splitlines()
     # each latch is announced once, with how to reset it (both robots may latch in one poll)
     told = [line for line in lines if line.startswith("edgerl robot: e-stopped: ")]
@@ -725,7 +727,31 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     for r in robots:
         assert r["ticks"] >= 60 and r["policy_ticks"] >= r["ticks"] - 3
         assert r["episodes"] >= 1  # the untrained pendulum falls; the robot was reset
-    assert "edgerl robot: ticks" in capsys.readouterr().out
+    stream = json.loads(out.read_text())["stream"]
+    assert stream["connected"] and stream["reconnects"] == 0 and stream["network_restarts"] == 0
+    assert stream["messages"] >= min(r["policy_ticks"] for r in robots)  # one answer a tick, or more
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("edgerl robot: ticks")]
+    assert lines and all(line.endswith("  stream up (0 reconnects)") for line in lines), lines
+
+
+def test_edgerl_robot_s_line_says_how_its_stream_fares() -> None:
+    from edgerl.launch.robot import _line
+
+    stats = [
+        {"ticks": 100, "fallbacks": 25, "estopped": False, "latency_ms_p50": 2.0, "policy_version": 3},
+        {
+            "ticks": 100,
+            "fallbacks": 75,
+            "estopped": True,
+            "latency_ms_p50": float("nan"),
+            "policy_version": 4,
+        },
+    ]
+    stream = {"connected": False, "reconnects": 3, "messages": 10, "network_restarts": 2}
+    assert _line(stats, stream) == (
+        "ticks 200  fallbacks 100 (50.00%)  e-stopped 1/2  latency p50 2.0 ms  version 4  "
+        "stream down (3 reconnects, 2 network process restarts)"
+    )
 
 
 def test_edgerl_robot_e_stops_its_robots_and_ends_with_status_1_when_its_control_loop_stops(
@@ -803,7 +829,8 @@ def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_js
          "--estop-after", "20", "--json", str(out)]
     )  # fmt: skip
     assert code == ESTOPPED_STATUS == 3  # the run is not taken for a good one
-    written = _strict_json(out.read_text())["robots"]
+    report = _strict_json(out.read_text())
+    written = report["robots"]
     assert len(written) == robots
     r = written[-1]
     assert r["ticks"] >= 50 and r["fallbacks"] == r["ticks"] and r["policy_ticks"] == 0
@@ -814,7 +841,9 @@ def test_edgerl_robot_without_a_server_runs_on_fallbacks_and_reports_standard_js
     stdout, stderr = capsys.readouterr()
     assert "latency p50 - (no answer yet)" in stdout
     assert stderr.splitlines()[-1] == f"edgerl robot: {robots} of {robots} robot(s) ended e-stopped: {named}"
-    assert _strict_json(stdout[stdout.index("{") :]) == {"robots": written}  # printed as written
+    assert not report["stream"]["connected"] and report["stream"]["messages"] == 0
+    assert report["stream"]["reconnects"] >= 1  # each attempt at the absent server failed
+    assert _strict_json(stdout[stdout.index("{") :]) == report  # printed as written
 
 
 def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path: Any) -> None:
