@@ -233,17 +233,6 @@ def _label(link: RobotLink) -> str:
     return link.robot.name or f"robot {link.index}"
 
 
-def stream_stats(host: RobotHost) -> dict[str, Any]:
-    """The host's stream: up or not, streams that failed (or could not be opened), answers, and
-    (with a network process) how often that process was replaced."""
-    return {
-        "connected": host.connected,
-        "reconnects": host.reconnects,
-        "messages": host.messages,
-        "network_restarts": host.network_restarts,
-    }
-
-
 def _line(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str:
     ticks = sum(s["ticks"] for s in stats)
     fb = sum(s["fallbacks"] for s in stats)
@@ -339,8 +328,8 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end
-                    print(f"edgerl robot: {_line(host.stats(), stream_stats(host))}", flush=True)
-            stream = stream_stats(host)  # as it was running: stopping the host closes the stream
+                    print(f"edgerl robot: {_line(host.stats(), host.stream_stats())}", flush=True)
+            stream = host.stream_stats()  # as it was running: stopping the host closes the stream
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)

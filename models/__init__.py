@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from edgerl.models.mlp import gaussian_log_prob as gaussian_log_prob
     from edgerl.models.mlp import mlp_linears as mlp_linears
 
-_FROM_MLP = ("GaussianMLPPolicy", "RunningNorm", "build_policy", "gaussian_log_prob", "mlp_linears")
-
 __all__ = [
     "LOG_2PI",
     "POLICY_PRESETS",
@@ -32,6 +30,8 @@ __all__ = [
     "gaussian_log_prob",
     "mlp_linears",
 ]
+_FROM_MLP = frozenset(__all__) - {"LOG_2PI", "POLICY_PRESETS"}
+"""The names served from :mod:`edgerl.models.mlp`, imported on first use."""
 
 
 def __getattr__(name: str) -> Any:

@@ -168,6 +168,16 @@ def spawn() -> tuple[socket.socket, subprocess.Popen[bytes]]:
     return parent, proc
 
 
+def kill(proc: subprocess.Popen[bytes]) -> int | None:
+    """End ``proc`` at once if it still runs (SIGKILL, and reaped); the exit code it had ended
+    with, or None where it was still running."""
+    code = proc.poll()
+    if code is None:
+        proc.kill()
+        proc.wait()
+    return code
+
+
 def stop(sock: socket.socket, proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     """Close the socket; the network process sees it close, closes its stream and exits
     (killed if it has not within ``timeout_s``)."""
@@ -176,8 +186,7 @@ def stop(sock: socket.socket, proc: subprocess.Popen[bytes], timeout_s: float = 
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        kill(proc)
     sock.close()
 
 

@@ -485,10 +485,7 @@ class _ProcessOutbox(_Outbox):
             sock.close()
         if self._closing:
             return
-        code = proc.poll() if proc is not None else None
-        if proc is not None and code is None:
-            proc.kill()
-            proc.wait()
+        code = netproc.kill(proc) if proc is not None else None
         self.restarts += 1
         self._out.clear()
         self._restart_at, when = netproc.next_start(self._started_at, now)
@@ -798,3 +795,13 @@ class RobotHost:
 
     def stats(self) -> list[dict[str, Any]]:
         return [link.stats() for link in self.links]
+
+    def stream_stats(self) -> dict[str, Any]:
+        """The stream: up or not, streams that failed (or could not be opened), answers, and (with
+        a network process) how often that process was replaced."""
+        return {
+            "connected": self.connected,
+            "reconnects": self.reconnects,
+            "messages": self.messages,
+            "network_restarts": self.network_restarts,
+        }

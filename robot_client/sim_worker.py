@@ -482,9 +482,8 @@ class _NetworkEnd:
     def _lost(self, why: str) -> None:
         """Kill the process if it still runs, report its stream failed, and replace it."""
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            netproc.kill(proc)
         if sock is not None:
             sock.close()
         self._restart_at, when = netproc.next_start(self._started_at, time.monotonic())
