@@ -445,6 +445,8 @@ class _ProcessOutbox(_Outbox):
                 self.open()
             return
         self._send()
+        if self._sock is not sock:
+            return  # the send found the process lost
         while True:
             try:
                 data = sock.recv(frames.RECV_BYTES)
@@ -492,6 +494,9 @@ class _ProcessOutbox(_Outbox):
         if hung:
             log.error("the robots' network process said nothing for %.1fs with %d observation(s) "
                       "unanswered: killed as hung; a new one starts %s", silent_s, rows, when)  # fmt: skip
+        elif code is None:  # it closed its socket, or broke it, and ran on: of no more use
+            log.error("the robots' network process closed its socket but still ran: killed; "
+                      "a new one starts %s", when)  # fmt: skip
         else:
             log.error("the robots' network process ended (exit code %s); a new one starts %s",
                       code, when)  # fmt: skip

@@ -38,6 +38,9 @@ from edgerl.sim.envs import make_vector_env
 
 log = logging.getLogger(__name__)
 
+ENDING_GRACE_S = 0.2
+"""How long a network process whose socket closed is given to exit before it is killed."""
+
 
 @dataclass(frozen=True)
 class SimWorkerConfig:
@@ -474,10 +477,15 @@ class _NetworkEnd:
                 self._frames.append(payload)
 
     def _ended(self) -> None:
-        """The process's socket closed or failed: it ended (or is stopped, if it still runs)."""
-        assert self._sock is not None and self._proc is not None
-        netproc.stop(self._sock, self._proc)
-        self._lost(f"ended (exit code {self._proc.returncode})")
+        """The process's socket closed or failed: it ended, or is killed (a process that closed
+        its socket is of no more use, and the worker must not wait on it)."""
+        assert self._proc is not None
+        try:
+            code = self._proc.wait(ENDING_GRACE_S)  # a process that ends closes its socket first
+        except subprocess.TimeoutExpired:
+            self._lost(f"closed its socket but still ran {ENDING_GRACE_S:g}s later: killed")
+        else:
+            self._lost(f"ended (exit code {code})")
 
     def _lost(self, why: str) -> None:
         """Kill the process if it still runs, report its stream failed, and replace it."""

@@ -22,7 +22,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.netproc import HUNG_AFTER_S
-from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
+from edgerl.robot_client.sim_worker import ENDING_GRACE_S, SimWorker, SimWorkerConfig
 from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server, waited
 
 
@@ -155,6 +155,43 @@ def test_a_sim_worker_replaces_a_network_process_that_dies_or_hangs(
         assert re.search(message, caplog.text), caplog.text
 
     run(main())
+
+
+def test_a_sim_worker_kills_a_network_process_that_closes_its_socket_but_runs_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process whose socket closed is of no more use: the worker gives it ENDING_GRACE_S to
+    exit, kills it, and steps on with a new one, instead of waiting on it for seconds."""
+    spawned: list[tuple[float, subprocess.Popen[bytes]]] = []
+    spawn = netproc.spawn
+
+    def first_runs_on() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        if spawned:
+            sock, proc = spawn()
+        else:
+            sock, child = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            child.close()  # the process holds no end of the socket: it reads as closed at once
+        spawned.append((time.monotonic(), proc))
+        return sock, proc
+
+    monkeypatch.setattr(netproc, "spawn", first_runs_on)
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server:
+            address = f"127.0.0.1:{server.port}"
+            worker = _worker(server=address, num_envs=2, max_steps=50, network_process=True)
+            progress = await asyncio.wait_for(worker.run(), 30)
+            worker.close()
+        assert progress.steps == 50 and progress.reconnects == 1
+
+    run(main())
+    (started, runs_on), (restarted, _) = spawned
+    assert runs_on.returncode == -signal.SIGKILL
+    # killed within the grace, and the next process started RESTART_DELAY_S after the first
+    assert restarted - started < netproc.RESTART_DELAY_S + ENDING_GRACE_S + 0.5, restarted - started
+    killed = r"process closed its socket but still ran 0\.2s later: killed; a new one starts in 0\.\ds"
+    assert re.search(killed, caplog.text), caplog.text
 
 
 def test_a_sim_worker_whose_network_process_keeps_ending_gives_up_naming_it(

@@ -221,6 +221,37 @@ def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCapture
     assert tail.count(TickKind.POLICY) >= 20, tail
 
 
+def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process whose socket closed is of no more use: the host kills it at once, says so (not
+    "ended"), and its robots get a stream from the next process."""
+    spawned: list[subprocess.Popen[bytes]] = []
+    spawn = netproc.spawn
+
+    def first_runs_on() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        if spawned:
+            sock, proc = spawn()
+        else:
+            sock, child = socket.socketpair()
+            sock.setblocking(False)
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            child.close()  # the process holds no end of the socket: it reads as closed at once
+        spawned.append(proc)
+        return sock, proc
+
+    monkeypatch.setattr(netproc, "spawn", first_runs_on)
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
+        with RobotHost([CounterRobot()], cfg) as host:
+            assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
+            runs_on, _ = spawned
+            assert runs_on.poll() == -signal.SIGKILL and host.network_restarts == 1
+    closed = r"network process closed its socket but still ran: killed; a new one starts in 1\.0s"
+    assert re.search(closed, caplog.text), caplog.text
+
+
 def test_a_network_process_whose_server_answers_late_is_not_taken_for_hung(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
