@@ -140,7 +140,8 @@ class RobotRunnerConfig:
     """Answers kept for the latency percentiles."""
     realtime_priority: int = 0
     """SCHED_FIFO priority (1-99) of the control thread; 0: normal scheduling. Needs CAP_SYS_NICE
-    (e.g. root); without it the loop runs normally and says so once."""
+    (e.g. root); without it the loop runs normally and says so once. A process the thread starts
+    (a new network process) runs under normal scheduling."""
     network_process: bool = False
     """Run the stream in a network process of its own instead of on the control thread.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -568,13 +570,19 @@ def test_a_loop_whose_clock_fails_keeps_the_first_error_when_its_e_stop_fails_to
 def test_a_real_time_loop_runs_its_own_thread_under_sched_fifo_or_says_why_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The priority is the loop thread's alone (never the process's); where the system refuses
-    it (no CAP_SYS_NICE), the loop runs on with a warning saying so."""
+    """The priority is the loop thread's alone (never the process's, nor that of a process the
+    thread starts); where the system refuses it (no CAP_SYS_NICE), the loop runs on with a
+    warning saying so."""
     seen: dict[str, int] = {}
 
     def after_slot() -> None:
-        seen.setdefault("policy", os.sched_getscheduler(0))  # 0: the calling thread
-        seen.setdefault("priority", os.sched_getparam(0).sched_priority)
+        if "priority" in seen:
+            return
+        seen["policy"] = os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK  # 0: the calling thread
+        seen["priority"] = os.sched_getparam(0).sched_priority
+        child = "import os; print(os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)"
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+        seen["child_policy"], seen["child_priority"] = map(int, out.split())
 
     dog = Watchdog([-1.0], [1.0], Recorder(), WatchdogConfig(hz=200.0, estop_after=0), clock=MonotonicClock())
     loop = ControlLoop([dog], name="rt", after_slot=after_slot, realtime_priority=7)
@@ -588,7 +596,8 @@ def test_a_real_time_loop_runs_its_own_thread_under_sched_fifo_or_says_why_not(
     if warned:
         assert seen["policy"] == os.SCHED_OTHER and len(warned) == 1
     else:
-        assert seen == {"policy": os.SCHED_FIFO, "priority": 7}
+        assert (seen["policy"], seen["priority"]) == (os.SCHED_FIFO, 7)
+    assert (seen["child_policy"], seen["child_priority"]) == (os.SCHED_OTHER, 0)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is as it was
 
 
