@@ -150,6 +150,10 @@ class RobotRunnerConfig:
     edge server (``edgerl bench robot``, the server and the network process kept off the last
     CPU), in a noisy spell: 1.2-3.3 % fallbacks against 5.4-12.6 % with the stream on the
     control thread, but 1.4-2.7x the skipped ticks (docs/performance-log.md, Robots). Off by default."""
+    network_spare: bool = True
+    """With ``network_process``: keep a second network process started, to take over at once
+    from one that is lost. Its stream was up ~0.01 s after the loss, against ~0.15 s for a
+    process started then (~47 MB more memory)."""
     network_cpus: tuple[int, ...] = ()
     """CPUs the network process runs on; empty: any. Leave the control thread a CPU of its own:
     on two cores shared with the edge server, the control thread, the network process and the
@@ -358,10 +362,14 @@ class _ThreadOutbox(_Outbox):
 
 
 class _ProcessOutbox(_Outbox):
-    """The stream lives in a network process, behind a Unix socket pair."""
+    """The stream lives in a network process, behind a Unix socket pair; with ``spare``, a second
+    one is kept started (from the first stream up on) to replace it."""
 
-    def __init__(self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock) -> None:
+    def __init__(
+        self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock, spare: bool = False
+    ) -> None:
         super().__init__(links, settings, clock)
+        self._spare = netproc.Spare(settings.cpus) if spare else None
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._out = bytearray()
@@ -374,7 +382,7 @@ class _ProcessOutbox(_Outbox):
         self._timer_seq = 0
 
     def open(self) -> None:
-        self._sock, self._proc = netproc.spawn()
+        self._sock, self._proc = self._spare.take() if self._spare else netproc.spawn(self.settings.cpus)
         self._out = bytearray(netproc.encode_settings(self.settings))
         self._in.clear()
         self._restart_at = math.inf
@@ -386,6 +394,8 @@ class _ProcessOutbox(_Outbox):
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
         if sock is not None and proc is not None:
             netproc.stop(sock, proc)
+        if self._spare is not None:
+            self._spare.close()
 
     def after_slot(self) -> None:
         """Send the slot's observations, take in the answers that came meanwhile."""
@@ -469,6 +479,8 @@ class _ProcessOutbox(_Outbox):
                 self._answer(answer.epoch, answer)
             elif kind == frames.UP:
                 self._up(frames.decode_state(payload))
+                if self._spare is not None:
+                    self._spare.fill()  # once a stream is up: its start-up does not delay this one's
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
         if self._rows and self.clock.now() - self._heard_at > netproc.HUNG_AFTER_S:
@@ -723,8 +735,11 @@ class RobotHost:
             act_shape=kind.act_shape,
             env_name=kind.env_name,
         )
-        outbox = _ProcessOutbox if config.network_process else _ThreadOutbox
-        self._outbox: _Outbox = outbox(self.links, settings, self.clock)
+        self._outbox: _Outbox = (
+            _ProcessOutbox(self.links, settings, self.clock, spare=config.network_spare)
+            if config.network_process
+            else _ThreadOutbox(self.links, settings, self.clock)
+        )
         for link in self.links:
             link.outbox = self._outbox
         self._control = ControlLoop(
@@ -757,6 +772,14 @@ class RobotHost:
     def messages(self) -> int:
         """Answers (one per message the network process sent) since start."""
         return self._outbox.messages
+
+    @property
+    def network_pid(self) -> int | None:
+        """The process id of the network process now serving the stream; None: none (the stream
+        runs on the control thread, or its process is being replaced)."""
+        outbox = self._outbox
+        proc = outbox._proc if isinstance(outbox, _ProcessOutbox) else None
+        return None if proc is None else proc.pid
 
     @property
     def network_restarts(self) -> int:

@@ -416,7 +416,7 @@ class _NetworkEnd:
         self._start()
 
     def _start(self) -> None:
-        self._sock, self._proc = netproc.spawn()
+        self._sock, self._proc = netproc.spawn(self._settings.cpus)
         self._sock.setblocking(True)
         self._in.clear()
         self._heard_at, self._epoch, self._started_at = None, 0, time.monotonic()

@@ -694,3 +694,16 @@ def test_bench_throughput_gives_the_llm_policy_one_env_group_per_replica() -> No
     assert ThroughputConfig(policy="mlp").groups == 2
     with pytest.raises(ValueError, match="groups"):
         ThroughputConfig(groups=-1)
+
+
+def test_robot_options_become_the_runner_config() -> None:
+    from edgerl.launch.cli import build_parser
+    from edgerl.launch.robot import runner_config
+
+    parser = build_parser()
+    a = parser.parse_args(["robot", "--network-process", "--network-cpus", "0", "--hz", "20"])
+    cfg = runner_config(a)
+    assert (cfg.network_process, cfg.network_cpus, cfg.watchdog.hz) == (True, (0,), 20)
+    assert cfg.network_spare  # by default
+    no_spare = parser.parse_args(["robot", "--network-process", "--no-network-spare"])
+    assert not runner_config(no_spare).network_spare

@@ -123,8 +123,8 @@ def test_a_sim_worker_replaces_a_network_process_that_dies_or_hangs(
     spawned: list[tuple[float, subprocess.Popen[bytes]]] = []
     spawn = netproc.spawn
 
-    def spy() -> tuple[socket.socket, subprocess.Popen[bytes]]:
-        sock, proc = spawn()
+    def spy(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        sock, proc = spawn(cpus)
         spawned.append((time.monotonic(), proc))
         return sock, proc
 
@@ -165,9 +165,9 @@ def test_a_sim_worker_kills_a_network_process_that_closes_its_socket_but_runs_on
     spawned: list[tuple[float, subprocess.Popen[bytes]]] = []
     spawn = netproc.spawn
 
-    def first_runs_on() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    def first_runs_on(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         if spawned:
-            sock, proc = spawn()
+            sock, proc = spawn(cpus)
         else:
             sock, child = socket.socketpair()
             proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -201,7 +201,7 @@ def test_a_sim_worker_whose_network_process_keeps_ending_gives_up_naming_it(
     until the worker has had no stream for ``give_up_after_s``: it gives up, saying why."""
     started: list[float] = []
 
-    def failing() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    def failing(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         started.append(time.monotonic())
         parent, child = socket.socketpair()
         proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])

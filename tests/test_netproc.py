@@ -125,10 +125,10 @@ def _cpus_of(pid: int) -> set[int]:
 
 
 def test_robots_outlive_their_network_process() -> None:
-    """Killing the network process: the loop keeps its rate on fallbacks, and a new process starts
-    at once, on the CPUs it was given, well before the default e-stop (50 fallbacks) would latch.
-    One that is lost again soon after it started is replaced a second after that start, not in a
-    tight loop."""
+    """Killing the network process (and no spare kept): the loop keeps its rate on fallbacks, and
+    a new process starts at once, on the CPUs it was given, well before the default e-stop (50
+    fallbacks) would latch. One that is lost again soon after it started is replaced a second
+    after that start, not in a tight loop."""
     robot = CounterRobot()
     kinds: list[TickKind] = []
 
@@ -137,7 +137,9 @@ def test_robots_outlive_their_network_process() -> None:
 
     with ServerThread(EchoPolicy(3, 2)) as srv:
         watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
-        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, network_cpus=(0,))
+        cfg = RobotRunnerConfig(
+            srv.address, watchdog, network_process=True, network_cpus=(0,), network_spare=False
+        )
         with RobotHost([robot], cfg, on_tick=record) as host:
             started = time.monotonic()
             outbox = host._outbox
@@ -168,6 +170,40 @@ def test_robots_outlive_their_network_process() -> None:
             ran_s = time.monotonic() - started
     assert s["ticks"] >= 0.95 * 50 * ran_s  # the loop kept its rate throughout
     assert kinds[-20:].count(TickKind.POLICY) >= 15
+
+
+def test_a_spare_network_process_takes_over_at_once() -> None:
+    """With a spare (the default), a killed network process is replaced by one that has done its
+    imports already: the robot falls back a tick or two, not ~10; a new spare is started, on the
+    same CPUs, once the stream is up again, and ends with the host."""
+    robot = CounterRobot()
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, network_cpus=(0,))
+        with RobotHost([robot], cfg) as host:
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
+            spare = outbox._spare
+            assert wait_until(lambda: host.connected and spare._held is not None, 10, 0.01), "no spare"
+            time.sleep(RESTART_DELAY_S + 0.2)  # the spare's imports are done
+            first, held = outbox._proc, spare._held
+            assert first is not None and held is not None
+            waiting = held[1]
+            assert _cpus_of(waiting.pid) == {0}
+            os.kill(first.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            assert wait_until(lambda: host.network_restarts == 1 and host.connected, 10, 0.005)
+            back_s = time.monotonic() - killed
+            assert outbox._proc is waiting  # the spare took over
+            assert wait_until(lambda: spare._held is not None, 10, 0.01), "no new spare"
+            assert spare._held is not None and spare._held[1] not in (first, waiting)
+            new_spare = spare._held[1]
+            assert _cpus_of(new_spare.pid) == {0}
+            time.sleep(0.3)
+            (s,) = host.stats()
+    assert back_s < 0.12, back_s  # a process started then took ~0.15 s to its stream
+    assert s["max_consecutive_fallbacks"] <= 4
+    assert new_spare.poll() == 0  # it saw the host go before its settings, and exited quietly
 
 
 def test_the_operators_reset_signal_does_not_end_the_network_process() -> None:
@@ -229,9 +265,9 @@ def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
     spawned: list[subprocess.Popen[bytes]] = []
     spawn = netproc.spawn
 
-    def first_runs_on() -> tuple[socket.socket, subprocess.Popen[bytes]]:
+    def first_runs_on(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         if spawned:
-            sock, proc = spawn()
+            sock, proc = spawn(cpus)
         else:
             sock, child = socket.socketpair()
             sock.setblocking(False)
@@ -246,7 +282,7 @@ def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
         with RobotHost([CounterRobot()], cfg) as host:
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
-            runs_on, _ = spawned
+            runs_on = spawned[0]
             assert runs_on.poll() == -signal.SIGKILL and host.network_restarts == 1
     closed = r"network process closed its socket but still ran: killed; a new one starts in 1\.0s"
     assert re.search(closed, caplog.text), caplog.text
