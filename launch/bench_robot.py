@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from edgerl.launch.processes import (
     kept_cpus,
     other_cpus,
 )
+from edgerl.robot_client.netproc import RESTART_DELAY_S
 from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig, chunk_defaults
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
@@ -99,6 +101,12 @@ class BenchRobotConfig:
     """Outage phase: the server is killed for this long (0: no outage phase)."""
     recover_s: float = 4.0
     """How long the outage phase runs after the server is back (seconds)."""
+    network_loss_s: float = 2.0
+    """With network processes, last: each robot process's network process is killed (SIGKILL),
+    and this long later the new one is stopped (SIGSTOP, taken for hung and replaced); each is
+    watched for this long (seconds; 0: no network-loss phase)."""
+    network_spare: bool = True
+    """Keep a spare network process per robot process (RobotRunnerConfig.network_spare)."""
     delay_ms: float = 0.0
     """Injected extra latency per answer (ms)."""
     jitter_ms: float = 0.0
@@ -123,8 +131,18 @@ class BenchRobotConfig:
         if self.robots < 1 or not 1 <= self.processes <= self.robots:
             raise ValueError("need robots >= 1 and 1 <= processes <= robots")
         control_cpus(self.control_cpu, self.processes, network_process)  # fails naming the field
-        if self.duration_s <= 0 or self.warmup_s < 0 or self.kill_server_s < 0 or self.baseline_s < 0:
-            raise ValueError("need duration_s > 0, and warmup_s, kill_server_s and baseline_s >= 0")
+        if (
+            self.duration_s <= 0
+            or min(self.warmup_s, self.kill_server_s, self.baseline_s, self.network_loss_s) < 0
+        ):
+            raise ValueError(
+                "need duration_s > 0, and warmup_s, kill_server_s, baseline_s and network_loss_s >= 0"
+            )
+        if 0 < self.network_loss_s < RESTART_DELAY_S:
+            raise ValueError(
+                f"network_loss_s must be 0 or >= {RESTART_DELAY_S:g} (a network process lost sooner after "
+                f"its start is replaced only {RESTART_DELAY_S:g}s after it), got {self.network_loss_s:g}"
+            )
 
     def server_cpus(self) -> frozenset[int] | None:
         """The CPUs of the server and the network processes (None: any)."""
@@ -166,6 +184,7 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
         realtime_priority=cfg.realtime_priority,
         network_process=bool(cfg.network_process),
         network_cpus=tuple(sorted(cfg.server_cpus() or ())) if cfg.network_process else (),
+        network_spare=cfg.network_spare,
         faults=LinkFaults(cfg.delay_ms, cfg.jitter_ms, cfg.drop, seed=cfg.seed + first),
         connect_timeout_s=60.0,
     )
@@ -192,7 +211,14 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
                     s["policy_ticks_since_mark"] = s["policy_ticks"] - mark
                     s["jitter_s"] = link.watchdog.jitter_s()
                     s["latency_s"] = link.latencies_s.values()
-                conn.send((out, host.reconnects, host.messages, host.control_error is None))
+                conn.send(
+                    (out, host.reconnects, host.messages, host.control_error is None, host.network_restarts)
+                )
+            elif cmd in _LOSSES:
+                pid = host.network_pid
+                if pid is not None:
+                    os.kill(pid, _LOSSES[cmd])
+                conn.send(pid is not None)
             elif cmd == "stop":
                 break
     finally:
@@ -244,16 +270,24 @@ def _pct(values: np.ndarray, q: float, scale: float = 1e3) -> float:
     return float(np.percentile(values, q) * scale) if len(values) else math.nan
 
 
-def _collect(fleet: _Fleet) -> tuple[list[dict[str, Any]], int, int, bool]:
-    robots: list[dict[str, Any]] = []
-    reconnects = messages = 0
-    healthy = True
-    for out, rec, msgs, ok in fleet.ask("stats"):
-        robots.extend(out)
-        reconnects += rec
-        messages += msgs
-        healthy &= ok
-    return robots, reconnects, messages, healthy
+@dataclass
+class _Collected:
+    robots: list[dict[str, Any]] = field(default_factory=list)
+    reconnects: int = 0
+    messages: int = 0
+    healthy: bool = True
+    network_restarts: int = 0
+
+
+def _collect(fleet: _Fleet) -> _Collected:
+    c = _Collected()
+    for out, reconnects, messages, healthy, restarts in fleet.ask("stats"):
+        c.robots.extend(out)
+        c.reconnects += reconnects
+        c.messages += messages
+        c.healthy &= healthy
+        c.network_restarts += restarts
+    return c
 
 
 def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[str, Any]:
@@ -308,9 +342,9 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         progress(f"measuring {cfg.duration_s:.0f}s at {cfg.hz:g} Hz")
         t0 = time.monotonic()
         time.sleep(cfg.duration_s)
-        robots, reconnects, messages, healthy = _collect(fleet)
-        steady = _summary(robots, time.monotonic() - t0, cfg.hz)
-        steady.update(reconnects=reconnects, messages_per_s=messages / max(1e-9, steady["seconds"]))
+        got = _collect(fleet)
+        steady = _summary(got.robots, time.monotonic() - t0, cfg.hz)
+        steady.update(reconnects=got.reconnects, messages_per_s=got.messages / max(1e-9, steady["seconds"]))
         report: dict[str, Any] = {
             "bench": "robot",
             "config": asdict(cfg),
@@ -319,7 +353,7 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
                 for k in ("latency_ms_p50", "latency_ms_p99", "fallback_rate", "tick_jitter_ms_p99")
             },
             "steady": steady,
-            "control_loops_healthy": healthy,
+            "control_loops_healthy": got.healthy,
         }
         if baseline is not None:
             report["baseline_loop"] = baseline
@@ -329,6 +363,8 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         if cfg.kill_server_s > 0:
             spare.port = server.port
             report["outage"] = _outage(cfg, server, spare, fleet, progress)
+        if cfg.network_process and cfg.network_loss_s > 0:
+            report["network_loss"] = _network_loss(cfg, fleet, progress)
     finally:
         fleet.stop()
         server.stop()
@@ -446,8 +482,8 @@ def _outage(
     fleet.ask("mark")
     progress(f"server back on {spare.address}; watching recovery for {cfg.recover_s:g}s")
     time.sleep(cfg.recover_s)
-    robots, reconnects, _, healthy = _collect(fleet)
-    seconds = time.monotonic() - t0
+    got = _collect(fleet)
+    robots, seconds = got.robots, time.monotonic() - t0
     summary = _summary(robots, seconds, cfg.hz)
     outage_ticks = killed_for * cfg.hz
     return {
@@ -463,7 +499,37 @@ def _outage(
         "max_consecutive_fallbacks": max(r["max_consecutive_fallbacks"] for r in robots),
         "robots_resumed": sum(r["policy_ticks_since_mark"] > 0 and not r["estopped"] for r in robots),
         "robots": len(robots),
-        "reconnects": reconnects,
-        "control_loops_healthy": healthy,
+        "reconnects": got.reconnects,
+        "control_loops_healthy": got.healthy,
         **{k: summary[k] for k in ("tick_rate_hz_min", "tick_jitter_ms_p99", "fallback_rate", "ticks")},
     }
+
+
+_LOSSES = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
+"""The network-loss phase's commands to a robot process: what its network process is sent."""
+
+
+def _network_loss(cfg: BenchRobotConfig, fleet: _Fleet, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Each robot process's network process is killed, then (the new one) stopped: how long its
+    robots fell back, and whether any e-stopped (``max_fell_back_s``: the longest run of fallbacks
+    of any robot, in seconds at ``hz``)."""
+    report: dict[str, Any] = {"network_spare": cfg.network_spare}
+    for cmd in _LOSSES:
+        fleet.ask("reset")
+        before = _collect(fleet).network_restarts
+        progress(f"network processes: {cmd.upper()}, watched for {cfg.network_loss_s:g}s")
+        sent = sum(fleet.ask(cmd))
+        time.sleep(cfg.network_loss_s)
+        got = _collect(fleet)
+        worst = max(r["max_consecutive_fallbacks"] for r in got.robots)
+        report[cmd] = {
+            "processes_hit": sent,
+            "network_restarts": got.network_restarts - before,
+            "max_consecutive_fallbacks": worst,
+            "max_fell_back_s": worst / cfg.hz,
+            "robots_fell_back": sum(r["fallbacks"] > 0 for r in got.robots),
+            "robots_estopped": sum(r["estops"] > 0 for r in got.robots),
+            "robots": len(got.robots),
+            "control_loops_healthy": got.healthy,
+        }
+    return report

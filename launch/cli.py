@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="MuJoCo robots behind watchdogs: latency, fallbacks, tick jitter, server outage",
         description="Run --robots real-time MuJoCo robots at --hz against one edge server; measure "
         "end-to-end action latency, fallback rate and tick jitter, then kill the server for "
-        "--kill-server-s and report how the robots rode through it.",
+        "--kill-server-s and report how the robots rode through it; with network processes, "
+        "kill and then stop theirs (--network-loss-s).",
     )
     p.add_argument("--robots", type=COUNT, default=100, help="robots in all")
     p.add_argument("--env", default="HalfCheetah-v5", help="MuJoCo task each robot simulates")
@@ -458,6 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
         "tick jitter (0: skip)",
     )
     p.add_argument("--kill-server-s", type=NON_NEGATIVE, default=2.0, help="outage phase length (0: skip it)")
+    p.add_argument(
+        "--network-loss-s",
+        type=NON_NEGATIVE,
+        default=2.0,
+        help="with network processes, last: kill each robot process's network process (SIGKILL), then "
+        "stop the new one (SIGSTOP), and watch the robots this long after each (0: skip it)",
+    )
+    p.add_argument(
+        "--network-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep a spare network process per robot process, to take over from a lost one at once",
+    )
     robot_cli.add_fault_arguments(p)
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the robots and the policy")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")

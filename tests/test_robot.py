@@ -23,6 +23,7 @@ from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
 from edgerl.robot_client.bags import read_bag
+from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
 from edgerl.sim.envs import env_spec
@@ -378,6 +379,10 @@ def test_bench_robot_defaults_suit_the_policy() -> None:
     assert (cfg.deadline_ms, cfg.refill_at, cfg.network_process) == (100.0, 1, False)  # given values stay
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         BenchRobotConfig(chunk=0)
+    with pytest.raises(ValueError, match=r"network_loss_s must be 0 or >= 1 .*got 0\.5"):
+        BenchRobotConfig(network_loss_s=0.5)
+    with pytest.raises(ValueError, match="network_loss_s >= 0"):
+        BenchRobotConfig(network_loss_s=-1.0)
 
 
 def test_chunks_slower_than_20_ms_apply_with_the_chunk_defaults() -> None:
@@ -895,6 +900,29 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     assert b["robots"] == 4 and 96 <= b["ticks"] <= 104
     assert 0.0 <= b["tick_jitter_ms_p50"] <= b["tick_jitter_ms_p99"] <= b["tick_jitter_ms_max"]
     check_machine_block(r)
+
+
+def test_bench_robot_kills_and_stops_the_network_processes(tmp_path: Any) -> None:
+    """With network processes, the last phase kills each robot process's one, then stops the new
+    one: the spare takes over from the killed one within a few ticks; the stopped one is taken
+    for hung after HUNG_AFTER_S and replaced; no robot e-stops, every loop keeps running."""
+    out = tmp_path / "robot.json"
+    code = main(
+        ["bench", "robot", "--robots", "2", "--hz", "50", "--policy", "mlp-small", "--network-process",
+         "--warmup-s", "0.5", "--seconds", "1", "--sync-loop-s", "0", "--kill-server-s", "0",
+         "--baseline-s", "0", "--network-loss-s", "1.5", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert (r["config"]["network_loss_s"], r["config"]["network_spare"]) == (1.5, True)
+    loss = r["network_loss"]
+    assert loss["network_spare"] is True and "outage" not in r
+    for phase in (loss["sigkill"], loss["sigstop"]):
+        assert (phase["processes_hit"], phase["network_restarts"], phase["robots"]) == (1, 1, 2)
+        assert phase["robots_estopped"] == 0 and phase["control_loops_healthy"]
+        assert phase["max_fell_back_s"] == phase["max_consecutive_fallbacks"] / 50
+    assert loss["sigkill"]["max_consecutive_fallbacks"] <= 5  # a process started then: ~10 (README)
+    assert 0.9 * HUNG_AFTER_S * 50 <= loss["sigstop"]["max_consecutive_fallbacks"] < 150
 
 
 def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
