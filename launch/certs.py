@@ -33,6 +33,15 @@ class DevPki:
     trainer_token: str
 
 
+def new_token() -> str:
+    """A random caller token (32 URL-safe characters, ~192 bits) that never starts with "-": given on
+    a command line (``--token TOKEN``), such a token would be read as an option (1 in 64 did)."""
+    while True:
+        token = secrets.token_urlsafe(24)
+        if not token.startswith("-"):
+            return token
+
+
 def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -99,7 +108,7 @@ def make_dev_pki(out: str | Path, hosts: tuple[str, ...] = ("localhost", "127.0.
         _write_key(key, d / f"{role}.key")
         paths[role] = (d / f"{role}.pem", d / f"{role}.key")
     (d / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    robot, trainer = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    robot, trainer = new_token(), new_token()
     tokens = d / "tokens.toml"
     tokens.write_text(
         "# Caller tokens of the edge server (edgerl serve --tokens). Keep this file secret.\n"

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.certs import DevPki, make_dev_pki
+from edgerl.launch.certs import DevPki, make_dev_pki, new_token
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -124,6 +124,14 @@ def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
         assert srv.server is not None and srv.server.auth is not None
         assert srv.server.auth.rejected_unauthenticated == 4
         assert srv.server.auth.rejected_permission == 2
+
+
+def test_new_tokens_never_read_as_an_option() -> None:
+    """A URL-safe token starts with "-" 1 time in 64; on a command line (``--token TOKEN``) such a
+    token was taken for an option, and ``edgerl describe`` failed to parse its arguments."""
+    tokens = {new_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and all(len(t) == 32 for t in tokens)
+    assert not [t for t in tokens if t.startswith("-")]
 
 
 def test_edgerl_describe_sends_its_token(pki: DevPki, capsys: pytest.CaptureFixture[str]) -> None:
