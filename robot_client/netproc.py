@@ -183,8 +183,9 @@ class Spare:
         self._held: tuple[socket.socket, subprocess.Popen[bytes]] | None = None
 
     @property
-    def ready(self) -> bool:
-        return self._held is not None
+    def pid(self) -> int | None:
+        """The waiting spare's process id; None: none is started."""
+        return None if self._held is None else self._held[1].pid
 
     def take(self) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         """The spare, as :func:`spawn` returns it; a new process where there is none, or it ended."""

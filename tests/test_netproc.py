@@ -184,19 +184,18 @@ def test_a_spare_network_process_takes_over_at_once() -> None:
             outbox = host._outbox
             assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
             spare = outbox._spare
-            assert wait_until(lambda: host.connected and spare._held is not None, 10, 0.01), "no spare"
+            assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
             time.sleep(RESTART_DELAY_S + 0.2)  # the spare's imports are done
-            first, held = outbox._proc, spare._held
-            assert first is not None and held is not None
-            waiting = held[1]
-            assert _cpus_of(waiting.pid) == {0}
-            os.kill(first.pid, signal.SIGKILL)
+            first, waiting = host.network_pid, spare.pid
+            assert first is not None and waiting is not None
+            assert _cpus_of(waiting) == {0}
+            os.kill(first, signal.SIGKILL)
             killed = time.monotonic()
             assert wait_until(lambda: host.network_restarts == 1 and host.connected, 10, 0.005)
             back_s = time.monotonic() - killed
-            assert outbox._proc is waiting  # the spare took over
-            assert wait_until(lambda: spare._held is not None, 10, 0.01), "no new spare"
-            assert spare._held is not None and spare._held[1] not in (first, waiting)
+            assert host.network_pid == waiting  # the spare took over
+            assert wait_until(lambda: spare.pid is not None, 10, 0.01), "no new spare"
+            assert spare.pid not in (first, waiting) and spare._held is not None
             new_spare = spare._held[1]
             assert _cpus_of(new_spare.pid) == {0}
             time.sleep(0.3)
