@@ -20,6 +20,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.robot_client import netproc
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.segments import Batch
@@ -163,6 +164,29 @@ def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         if proc.poll() is None:
             proc.terminate()
             assert proc.wait(timeout=60) == 0
+
+
+Spawned = list[tuple[float, subprocess.Popen[bytes]]]
+
+
+def first_spawn_runs_on(spawned: Spawned) -> Callable[..., tuple[socket.socket, subprocess.Popen[bytes]]]:
+    """A stand-in for ``netproc.spawn`` whose first process holds no end of its socket (which reads
+    as closed at once) and sleeps on; later ones are real network processes. Each start is recorded
+    in ``spawned`` as (time, process)."""
+    spawn = netproc.spawn
+
+    def first_runs_on(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
+        if spawned:
+            sock, proc = spawn(cpus)
+        else:
+            sock, child = socket.socketpair()
+            sock.setblocking(False)
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            child.close()
+        spawned.append((time.monotonic(), proc))
+        return sock, proc
+
+    return first_runs_on
 
 
 def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:

@@ -23,7 +23,16 @@ from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.sim_worker import ENDING_GRACE_S, SimWorker, SimWorkerConfig
-from tests.helpers import EchoPolicy, free_port, run, run_a_later_grpc_loop, running_server, waited
+from tests.helpers import (
+    EchoPolicy,
+    Spawned,
+    first_spawn_runs_on,
+    free_port,
+    run,
+    run_a_later_grpc_loop,
+    running_server,
+    waited,
+)
 
 
 def test_error_types_carry_their_grpc_code() -> None:
@@ -162,20 +171,8 @@ def test_a_sim_worker_kills_a_network_process_that_closes_its_socket_but_runs_on
 ) -> None:
     """A process whose socket closed is of no more use: the worker gives it ENDING_GRACE_S to
     exit, kills it, and steps on with a new one, instead of waiting on it for seconds."""
-    spawned: list[tuple[float, subprocess.Popen[bytes]]] = []
-    spawn = netproc.spawn
-
-    def first_runs_on(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
-        if spawned:
-            sock, proc = spawn(cpus)
-        else:
-            sock, child = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            child.close()  # the process holds no end of the socket: it reads as closed at once
-        spawned.append((time.monotonic(), proc))
-        return sock, proc
-
-    monkeypatch.setattr(netproc, "spawn", first_runs_on)
+    spawned: Spawned = []
+    monkeypatch.setattr(netproc, "spawn", first_spawn_runs_on(spawned))
 
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:

@@ -21,7 +21,7 @@ from edgerl.robot_client.netproc import HUNG_AFTER_S, RESTART_DELAY_S
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, wait_until
+from tests.helpers import EchoPolicy, ServerThread, Spawned, first_spawn_runs_on, wait_until
 from tests.test_robot import CounterRobot
 
 
@@ -261,27 +261,14 @@ def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
 ) -> None:
     """A process whose socket closed is of no more use: the host kills it at once, says so (not
     "ended"), and its robots get a stream from the next process."""
-    spawned: list[subprocess.Popen[bytes]] = []
-    spawn = netproc.spawn
-
-    def first_runs_on(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[bytes]]:
-        if spawned:
-            sock, proc = spawn(cpus)
-        else:
-            sock, child = socket.socketpair()
-            sock.setblocking(False)
-            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-            child.close()  # the process holds no end of the socket: it reads as closed at once
-        spawned.append(proc)
-        return sock, proc
-
-    monkeypatch.setattr(netproc, "spawn", first_runs_on)
+    spawned: Spawned = []
+    monkeypatch.setattr(netproc, "spawn", first_spawn_runs_on(spawned))
     with ServerThread(EchoPolicy(3, 2)) as srv:
         watchdog = WatchdogConfig(hz=50.0, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
         with RobotHost([CounterRobot()], cfg) as host:
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
-            runs_on = spawned[0]
+            _, runs_on = spawned[0]
             assert runs_on.poll() == -signal.SIGKILL and host.network_restarts == 1
     closed = r"network process closed its socket but still ran: killed; a new one starts in 1\.0s"
     assert re.search(closed, caplog.text), caplog.text
