@@ -143,7 +143,7 @@ async def act_once(
 
 T = TypeVar("T")
 
-EDGERL = [sys.executable, "-m", "edgerl.launch.cli"]
+EDGERL = [sys.executable, "-m", "edgerl.launch"]
 """The ``edgerl`` command in this interpreter, wherever its console script is."""
 
 

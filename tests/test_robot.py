@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -428,6 +430,55 @@ def test_a_reset_signal_while_the_robots_connect_does_not_end_edgerl_robot(tmp_p
     assert code == 0, (code, err_path.read_text())
     (robot,) = json.loads(out.read_text())["robots"]
     assert robot["policy_ticks"] >= 50  # driven for most of its 2 s at 50 Hz
+
+
+def _sigusr1_disposition(pid: int) -> str:
+    """How process ``pid`` takes SIGUSR1: "default", "ignored" or "caught" (/proc/PID/status)."""
+    status = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line
+    )
+    bit = 1 << (signal.SIGUSR1 - 1)
+    if int(status["SigCgt"], 16) & bit:
+        return "caught"
+    return "ignored" if int(status["SigIgn"], 16) & bit else "default"
+
+
+def test_edgerl_robot_ignores_the_reset_signal_until_it_can_take_it(tmp_path: Any) -> None:
+    """From before the CLI's imports (~0.4 s), ``edgerl robot`` ignores SIGUSR1, then catches it as
+    the operator's reset: there is no moment after the interpreter's start when the signal would
+    end it. Sent while it is ignored, it does not; other commands keep the default."""
+    out = tmp_path / "robot.json"
+    with ServerThread(EchoPolicy(4, 1)) as srv:
+        args = ["robot", "--server", srv.address, "--robot-arg", "env=InvertedPendulum-v5",
+                "--seconds", "1", "--json", str(out)]  # fmt: skip
+        proc = subprocess.Popen([*EDGERL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        seen: list[str] = []
+        try:
+            while proc.poll() is None and (not seen or seen[-1] != "caught"):
+                with contextlib.suppress(OSError, KeyError):
+                    state = _sigusr1_disposition(proc.pid)
+                    if not seen or seen[-1] != state:
+                        seen.append(state)
+                        if state == "ignored":
+                            os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(0.001)
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert seen[-2:] == ["ignored", "caught"], seen  # ignored first (before, it went default -> caught)
+    assert code == 0
+    assert json.loads(out.read_text())["robots"][0]["policy_ticks"] >= 25
+    serve = subprocess.Popen(
+        [*EDGERL, "serve", "--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)
+        assert _sigusr1_disposition(serve.pid) == "default"
+    finally:
+        serve.kill()
+        serve.wait()
 
 
 def test_sigusr1_is_the_operators_reset_of_the_e_stops_of_edgerl_robot(
