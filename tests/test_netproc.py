@@ -205,6 +205,31 @@ def test_a_spare_network_process_takes_over_at_once() -> None:
     assert new_spare.poll() == 0  # it saw the host go before its settings, and exited quietly
 
 
+def test_a_spare_that_ended_while_it_waited_is_not_handed_out() -> None:
+    """``Spare.take`` hands out the waiting process only while it runs; one that has ended (here:
+    killed) gives way to a new process, and ``close`` ends a waiting spare, which exits quietly."""
+    spare = netproc.Spare()
+    assert spare.pid is None
+    spare.fill()
+    first = spare.pid
+    assert first is not None
+    spare.fill()  # one waits already: no second one
+    assert spare.pid == first
+    os.kill(first, signal.SIGKILL)
+    assert spare._held is not None
+    spare._held[1].wait(10)
+    sock, proc = spare.take()
+    try:
+        assert proc.pid != first and proc.poll() is None and spare.pid is None
+    finally:
+        netproc.stop(sock, proc)
+    spare.fill()
+    assert spare._held is not None
+    waiting = spare._held[1]
+    spare.close()
+    assert waiting.returncode == 0 and spare.pid is None
+
+
 def test_the_operators_reset_signal_does_not_end_the_network_process() -> None:
     """``kill -USR1`` sent to the whole process group of ``edgerl robot`` (its e-stop reset) reaches
     the network process too: it ignores it, and the robots keep their stream."""
