@@ -214,11 +214,11 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
                 conn.send(
                     (out, host.reconnects, host.messages, host.control_error is None, host.network_restarts)
                 )
-            elif cmd in _LOSSES:
-                pid = host.network_pid
+            elif cmd in _LOSSES:  # answered with whether a process was hit, and the restarts before
+                pid, restarts = host.network_pid, host.network_restarts
                 if pid is not None:
                     os.kill(pid, _LOSSES[cmd])
-                conn.send(pid is not None)
+                conn.send((pid is not None, restarts))
             elif cmd == "stop":
                 break
     finally:
@@ -516,9 +516,9 @@ def _network_loss(cfg: BenchRobotConfig, fleet: _Fleet, progress: Callable[[str]
     report: dict[str, Any] = {"network_spare": cfg.network_spare}
     for cmd in _LOSSES:
         fleet.ask("reset")
-        before = _collect(fleet).network_restarts
         progress(f"network processes: {cmd.upper()}, watched for {cfg.network_loss_s:g}s")
-        sent = sum(fleet.ask(cmd))
+        hits = fleet.ask(cmd)
+        sent, before = sum(hit for hit, _ in hits), sum(restarts for _, restarts in hits)
         time.sleep(cfg.network_loss_s)
         got = _collect(fleet)
         worst = max(r["max_consecutive_fallbacks"] for r in got.robots)

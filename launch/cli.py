@@ -920,7 +920,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BindError, ServerStartError, WorkerError) as exc:  # a server or worker failed, as it said
         print(f"edgerl: error: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -242,6 +242,11 @@ class _Outbox:
         self._collected: list[tuple[int, _Request]] = []
         self._rows: deque[tuple[int, _Request]] = deque()  # sent, in order, not yet answered
 
+    @property
+    def network_pid(self) -> int | None:
+        """The network process serving the stream; None: none."""
+        return None
+
     def open(self) -> None:
         """Start the stream (it connects in the background)."""
         raise NotImplementedError
@@ -362,14 +367,16 @@ class _ThreadOutbox(_Outbox):
 
 
 class _ProcessOutbox(_Outbox):
-    """The stream lives in a network process, behind a Unix socket pair; with ``spare``, a second
-    one is kept started (from the first stream up on) to replace it."""
+    """The stream lives in a network process, behind a Unix socket pair. Processes come from
+    ``_spare``: with ``spare``, it keeps a second one started (from the first stream up on) to
+    replace the first; without, it starts one when one is needed."""
 
     def __init__(
         self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock, spare: bool = False
     ) -> None:
         super().__init__(links, settings, clock)
-        self._spare = netproc.Spare(settings.cpus) if spare else None
+        self._spare = netproc.Spare(settings.cpus)
+        self._keep_spare = spare
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._out = bytearray()
@@ -381,8 +388,12 @@ class _ProcessOutbox(_Outbox):
         self._timers: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._timer_seq = 0
 
+    @property
+    def network_pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
     def open(self) -> None:
-        self._sock, self._proc = self._spare.take() if self._spare else netproc.spawn(self.settings.cpus)
+        self._sock, self._proc = self._spare.take()
         self._out = bytearray(netproc.encode_settings(self.settings))
         self._in.clear()
         self._restart_at = math.inf
@@ -394,8 +405,7 @@ class _ProcessOutbox(_Outbox):
         sock, proc, self._sock, self._proc = self._sock, self._proc, None, None
         if sock is not None and proc is not None:
             netproc.stop(sock, proc)
-        if self._spare is not None:
-            self._spare.close()
+        self._spare.close()
 
     def after_slot(self) -> None:
         """Send the slot's observations, take in the answers that came meanwhile."""
@@ -479,7 +489,7 @@ class _ProcessOutbox(_Outbox):
                 self._answer(answer.epoch, answer)
             elif kind == frames.UP:
                 self._up(frames.decode_state(payload))
-                if self._spare is not None:
+                if self._keep_spare:
                     self._spare.fill()  # once a stream is up: its start-up does not delay this one's
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
@@ -777,9 +787,7 @@ class RobotHost:
     def network_pid(self) -> int | None:
         """The process id of the network process now serving the stream; None: none (the stream
         runs on the control thread, or its process is being replaced)."""
-        outbox = self._outbox
-        proc = outbox._proc if isinstance(outbox, _ProcessOutbox) else None
-        return None if proc is None else proc.pid
+        return self._outbox.network_pid
 
     @property
     def network_restarts(self) -> int:
