@@ -55,15 +55,17 @@ RESTART_DELAY_S = 1.0
 """Network processes of one robot host or sim worker start at least this long apart (seconds): a
 lost one is replaced at once, or this long after the one before it started, so that one that
 keeps failing is not restarted in a tight loop."""
-HEARTBEAT_S = 0.1
+HEARTBEAT_S = 0.05
 """A network process writes a heartbeat frame this often (seconds), from its event loop."""
-HUNG_AFTER_S = 0.5
+HUNG_AFTER_S = 0.25
 """A network process that has written nothing, heartbeats included, for this long (seconds)
 while its client waits on it (a robot host: with observations unanswered; a sim worker: from its
 first observations on) is taken for hung, and killed: a live one writes a heartbeat every
 :data:`HEARTBEAT_S`, also while it waits on the server. Short enough that a robot host replaces
-a hung one before its robots' default e-stop (50 fallbacks, 1 s at 50 Hz); under three busy
-loops on this 2-core machine a sim worker's network process was silent for 28 ms at most."""
+a hung one before its robots' default e-stop (50 fallbacks: 0.5 s at 100 Hz). A robot host whose
+server answered 0.9 s late heard nothing from its live network process for 61 ms at most (40 s,
+three busy loops on this 2-core machine); a process taken for hung by mistake costs its robots
+the few fallbacks of a spare's take-over."""
 
 
 def next_start(started_at: float, now: float) -> tuple[float, str]:
