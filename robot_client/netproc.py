@@ -64,8 +64,8 @@ first observations on) is taken for hung, and killed: a live one writes a heartb
 :data:`HEARTBEAT_S`, also while it waits on the server. Short enough that a robot host replaces
 a hung one before its robots' default e-stop (50 fallbacks: 0.5 s at 100 Hz). A robot host whose
 server answered 0.9 s late heard nothing from its live network process for 61 ms at most (40 s,
-three busy loops on this 2-core machine); a process taken for hung by mistake costs its robots
-the few fallbacks of a spare's take-over."""
+three busy loops on this 2-core machine). A process taken for hung by mistake costs a robot
+host's robots the few fallbacks of a spare's take-over, a sim worker ~0.2 s to start another."""
 
 
 def next_start(started_at: float, now: float) -> tuple[float, str]:
