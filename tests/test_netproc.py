@@ -281,6 +281,31 @@ def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCapture
     assert tail.count(TickKind.POLICY) >= 20, tail
 
 
+def test_a_hung_network_process_is_replaced_before_the_default_e_stop_at_100_hz() -> None:
+    """At 100 Hz the default e-stop latches after 0.5 s of fallbacks: a hang must be found, and
+    the spare take over, well before (found after 0.5 s of silence, as it once was, it e-stopped)."""
+    hz = 100.0
+    watchdog = WatchdogConfig(hz=hz, deadline_s=0.02, max_delta=1e6)
+    assert watchdog.estop_after == 50
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
+        with RobotHost([CounterRobot()], cfg) as host:
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
+            spare = outbox._spare
+            assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
+            time.sleep(RESTART_DELAY_S + 0.2)  # the spare's imports are done
+            hung, waiting = host.network_pid, spare.pid
+            assert hung is not None and waiting is not None
+            os.kill(hung, signal.SIGSTOP)
+            assert wait_until(lambda: host.network_restarts == 1 and host.connected, 10, 0.005)
+            assert host.network_pid == waiting  # the spare took over
+            time.sleep(0.3)
+            (s,) = host.stats()
+    assert 0.9 * HUNG_AFTER_S * hz <= s["max_consecutive_fallbacks"] < watchdog.estop_after, s
+    assert s["estops"] == 0 and not s["estopped"]
+
+
 def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
