@@ -172,6 +172,16 @@ def test_robots_outlive_their_network_process() -> None:
     assert kinds[-20:].count(TickKind.POLICY) >= 15
 
 
+def _ready_spare(host: RobotHost) -> netproc.Spare:
+    """``host``'s spare, once the host's stream is up and the spare has done its imports."""
+    outbox = host._outbox
+    assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
+    spare = outbox._spare
+    assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
+    time.sleep(RESTART_DELAY_S + 0.2)  # its imports are done
+    return spare
+
+
 def test_a_spare_network_process_takes_over_at_once() -> None:
     """With a spare (the default), a killed network process is replaced by one that has done its
     imports already: the robot falls back a tick or two, not ~10; a new spare is started, on the
@@ -181,11 +191,7 @@ def test_a_spare_network_process_takes_over_at_once() -> None:
         watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, network_cpus=(0,))
         with RobotHost([robot], cfg) as host:
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
-            spare = outbox._spare
-            assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
-            time.sleep(RESTART_DELAY_S + 0.2)  # the spare's imports are done
+            spare = _ready_spare(host)
             first, waiting = host.network_pid, spare.pid
             assert first is not None and waiting is not None
             assert _cpus_of(waiting) == {0}
@@ -290,11 +296,7 @@ def test_a_hung_network_process_is_replaced_before_the_default_e_stop_at_100_hz(
     with ServerThread(EchoPolicy(3, 2)) as srv:
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
         with RobotHost([CounterRobot()], cfg) as host:
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
-            spare = outbox._spare
-            assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
-            time.sleep(RESTART_DELAY_S + 0.2)  # the spare's imports are done
+            spare = _ready_spare(host)
             hung, waiting = host.network_pid, spare.pid
             assert hung is not None and waiting is not None
             os.kill(hung, signal.SIGSTOP)
