@@ -175,7 +175,7 @@ def test_robots_outlive_their_network_process() -> None:
 def _ready_spare(host: RobotHost) -> netproc.Spare:
     """``host``'s spare, once the host's stream is up and the spare has done its imports."""
     outbox = host._outbox
-    assert isinstance(outbox, _ProcessOutbox) and outbox._spare is not None
+    assert isinstance(outbox, _ProcessOutbox)
     spare = outbox._spare
     assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
     time.sleep(RESTART_DELAY_S + 0.2)  # its imports are done
