@@ -70,9 +70,9 @@ host's robots the few fallbacks of a spare's take-over, a sim worker ~0.2 s to s
 
 def next_start(started_at: float, now: float) -> tuple[float, str]:
     """When to replace a network process that started at ``started_at`` and was lost at ``now``
-    (:data:`RESTART_DELAY_S`), and how a log line says it ("now", "in 0.4s")."""
+    (:data:`RESTART_DELAY_S`), and how a log line says it ("now", "in 0.40s", "in 0.04s")."""
     at = max(now, started_at + RESTART_DELAY_S)
-    return at, f"in {at - now:.1f}s" if at > now else "now"
+    return at, f"in {at - now:.2f}s" if at - now >= 0.005 else "now"
 
 
 def encode_down(epoch: int, error: errors.EdgeRLError) -> bytes:
@@ -183,6 +183,11 @@ class Spare:
     def __init__(self, cpus: tuple[int, ...] = ()) -> None:
         self._cpus = cpus
         self._held: tuple[socket.socket, subprocess.Popen[bytes]] | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The waiting spare's process; None: none is started."""
+        return None if self._held is None else self._held[1]
 
     @property
     def pid(self) -> int | None:
