@@ -260,3 +260,21 @@ def test_inference_threads_do_not_preempt_on_waking() -> None:
 
     assert run(main()) == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left as it was
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+        ({"max_delay_us": -1}, "max_delay_us must be >= 0, got -1"),
+        ({"max_batch_size": 64, "max_queue_rows": 63}, "max_queue_rows (63) must be >= max_batch_size (64)"),
+    ],
+)
+def test_a_batcher_built_directly_refuses_bad_limits_naming_them(
+    settings: dict[str, int], message: str
+) -> None:
+    """``ServerConfig`` checks these for a server; a batcher built on its own checks them too."""
+    limits = {"max_batch_size": 8, "max_delay_us": 1000, "max_queue_rows": 64} | settings
+    with pytest.raises(ValueError) as err:
+        DynamicBatcher(EchoPolicy(4, 2), **limits)
+    assert str(err.value) == message
