@@ -160,12 +160,17 @@ def spawn(cpus: tuple[int, ...] = ()) -> tuple[socket.socket, subprocess.Popen[b
 
     Write :func:`encode_settings` to the socket first."""
     parent, child = socket.socketpair()
+    # Blocked in this thread while it starts the child, SIGUSR1 stays blocked in the child (the
+    # mask survives fork and exec) until :func:`main` ignores it: an operator's reset sent to the
+    # process group during the child's start-up would otherwise end it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "edgerl.robot_client.netproc", str(child.fileno())],
             pass_fds=(child.fileno(),),
         )
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         child.close()
     if cpus:  # at once: its start-up (~0.15 s of imports) is not run on the caller's CPU
         with contextlib.suppress(OSError):  # it ended already: seen on its socket
@@ -245,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m edgerl.robot_client.netproc FD (started by a RobotHost)", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(args[0]))
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # `edgerl robot`'s operator reset, sent to its whole group
+    # `edgerl robot`'s operator reset, sent to its whole group: ignored, which drops one sent while
+    # this process started (blocked since `spawn`), then let through again.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_main(sock))
     return 0

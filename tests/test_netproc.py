@@ -268,6 +268,42 @@ def test_the_operators_reset_signal_does_not_end_the_network_process() -> None:
             assert host.network_restarts == 0 and host.connected
 
 
+def test_the_reset_signal_in_a_network_process_s_first_moments_does_not_end_it() -> None:
+    """A reset sent while a network process still starts (its ~0.15 s of imports, before it
+    ignores SIGUSR1): it is held blocked, from ``spawn`` on, until the process ignores it, and
+    the process lives on, takes its settings and exits quietly when its host goes."""
+    sock, proc = netproc.spawn()
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)  # Popen returns once Python is exec'd: before its imports
+        assert wait_until(lambda: _ignores_usr1(proc.pid) or proc.poll() is not None, 10, 0.005)
+        assert proc.poll() is None, proc.returncode  # -10: the signal ended it
+        assert not _blocks_usr1(proc.pid)  # taken out of the mask again
+    finally:
+        netproc.stop(sock, proc)
+    assert proc.returncode == 0
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, ()) & {signal.SIGUSR1}  # not left blocked here
+
+
+def _status_mask(pid: int, field: str) -> int:
+    """A signal mask of ``/proc/PID/status`` (``SigIgn``, ``SigBlk``); 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def _ignores_usr1(pid: int) -> bool:
+    return bool(_status_mask(pid, "SigIgn") >> (signal.SIGUSR1 - 1) & 1)
+
+
+def _blocks_usr1(pid: int) -> bool:
+    return bool(_status_mask(pid, "SigBlk") >> (signal.SIGUSR1 - 1) & 1)
+
+
 def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
     """A network process that stops (here: SIGSTOP) holds the robots' observations unanswered
     and writes nothing, not even its heartbeats: after HUNG_AFTER_S it is killed and replaced."""
