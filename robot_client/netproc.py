@@ -55,17 +55,39 @@ RESTART_DELAY_S = 1.0
 """Network processes of one robot host or sim worker start at least this long apart (seconds): a
 lost one is replaced at once, or this long after the one before it started, so that one that
 keeps failing is not restarted in a tight loop."""
-HEARTBEAT_S = 0.05
-"""A network process writes a heartbeat frame this often (seconds), from its event loop."""
 HUNG_AFTER_S = 0.25
 """A network process that has written nothing, heartbeats included, for this long (seconds)
 while its client waits on it (a robot host: with observations unanswered; a sim worker: from its
 first observations on) is taken for hung, and killed: a live one writes a heartbeat every
-:data:`HEARTBEAT_S`, also while it waits on the server. Short enough that a robot host replaces
-a hung one before its robots' default e-stop (50 fallbacks: 0.5 s at 100 Hz). A robot host whose
-server answered 0.9 s late heard nothing from its live network process for 61 ms at most (40 s,
-three busy loops on this 2-core machine). A process taken for hung by mistake costs a robot
-host's robots the few fallbacks of a spare's take-over, a sim worker ~0.2 s to start another."""
+:data:`HEARTBEAT_S`, also while it waits on the server. A robot host whose robots would e-stop
+sooner waits less (:func:`hung_after`). A robot host whose server answered 0.9 s late heard
+nothing from its live network process for 61 ms at most (40 s, three busy loops on this 2-core
+machine). A process taken for hung by mistake costs a robot host's robots the few fallbacks of a
+spare's take-over, a sim worker ~0.2 s to start another."""
+HEARTBEATS_PER_HUNG = 5
+"""A network process writes this many heartbeats in the silence after which it is hung."""
+HEARTBEAT_S = HUNG_AFTER_S / HEARTBEATS_PER_HUNG
+"""A network process writes a heartbeat frame this often (seconds), from its event loop, unless
+its settings name another interval (``StreamSettings.heartbeat_s``)."""
+MIN_HUNG_AFTER_S = 0.1
+"""The shortest silence a robot host takes a network process for hung after (seconds), its
+heartbeat then every 0.02 s: with that heartbeat and a server answering 0.9 s late, a robot host
+heard nothing from its live network process for 27 ms at most (two 40 s runs under three busy
+loops on this 2-core machine; 20 ms without them)."""
+ESTOP_SHARE = 0.5
+"""A robot host takes a silent network process for hung after at most this share of the time its
+robots take to e-stop on fallbacks, so that the spare takes over well before the e-stop."""
+
+
+def hung_after(hz: float, estop_after: int) -> float:
+    """The silence (seconds) after which a robot host whose robots tick at ``hz`` and e-stop after
+    ``estop_after`` fallbacks in a row (0: never) takes its network process for hung:
+    :data:`ESTOP_SHARE` of their time to e-stop, within [:data:`MIN_HUNG_AFTER_S`,
+    :data:`HUNG_AFTER_S`] (0.25 s at 50 and 100 Hz, 0.125 s at 200 Hz, with the default e-stop
+    of 50)."""
+    if estop_after == 0:
+        return HUNG_AFTER_S
+    return min(HUNG_AFTER_S, max(MIN_HUNG_AFTER_S, ESTOP_SHARE * estop_after / hz))
 
 
 def next_start(started_at: float, now: float) -> tuple[float, str]:
@@ -139,9 +161,11 @@ async def _main(sock: socket.socket) -> None:
         finally:
             keeper.stopping.set()
 
+    beat_s = cfg.heartbeat_s or HEARTBEAT_S
+
     async def heartbeat() -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(beat_s)
             writer.write(frame(HEARTBEAT))
 
     control = asyncio.ensure_future(read_control())

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import heapq
 import logging
@@ -372,9 +373,17 @@ class _ProcessOutbox(_Outbox):
     replace the first; without, it starts one when one is needed."""
 
     def __init__(
-        self, links: Sequence[RobotLink], settings: StreamSettings, clock: Clock, spare: bool = False
+        self,
+        links: Sequence[RobotLink],
+        settings: StreamSettings,
+        clock: Clock,
+        spare: bool = False,
+        hung_after_s: float = netproc.HUNG_AFTER_S,
     ) -> None:
+        settings = dataclasses.replace(settings, heartbeat_s=hung_after_s / netproc.HEARTBEATS_PER_HUNG)
         super().__init__(links, settings, clock)
+        self.hung_after_s = hung_after_s
+        """Silence (seconds) after which the network process is taken for hung."""
         self._spare = netproc.Spare(settings.cpus)
         self._keep_spare = spare
         self._sock: socket.socket | None = None
@@ -493,7 +502,7 @@ class _ProcessOutbox(_Outbox):
                     self._spare.fill()  # once a stream is up: its start-up does not delay this one's
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
-        if self._rows and self.clock.now() - self._heard_at > netproc.HUNG_AFTER_S:
+        if self._rows and self.clock.now() - self._heard_at > self.hung_after_s:
             self._lost(hung=True)
             return
         self._run_timers()
@@ -745,11 +754,22 @@ class RobotHost:
             act_shape=kind.act_shape,
             env_name=kind.env_name,
         )
-        self._outbox: _Outbox = (
-            _ProcessOutbox(self.links, settings, self.clock, spare=config.network_spare)
-            if config.network_process
-            else _ThreadOutbox(self.links, settings, self.clock)
-        )
+        self._outbox: _Outbox
+        if config.network_process:
+            wd = config.watchdog
+            hung_s = netproc.hung_after(wd.hz, wd.estop_after)
+            self._outbox = _ProcessOutbox(
+                self.links, settings, self.clock, spare=config.network_spare, hung_after_s=hung_s
+            )
+            estop_s = wd.estop_after / wd.hz
+            if wd.estop_after and estop_s < hung_s / netproc.ESTOP_SHARE:
+                log.warning("robots at %g Hz e-stop after %d fallbacks (%.3fs); a hung network "
+                            "process is found after %.2fs of silence and then replaced: a hang may "
+                            "e-stop them (raise estop_after to %d or more to ride one out)",
+                            wd.hz, wd.estop_after, estop_s, hung_s,
+                            math.ceil(hung_s / netproc.ESTOP_SHARE * wd.hz))  # fmt: skip
+        else:
+            self._outbox = _ThreadOutbox(self.links, settings, self.clock)
         for link in self.links:
             link.outbox = self._outbox
         self._control = ControlLoop(

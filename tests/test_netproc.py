@@ -337,11 +337,13 @@ def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCapture
     assert tail.count(TickKind.POLICY) >= 20, tail
 
 
-def test_a_hung_network_process_is_replaced_before_the_default_e_stop_at_100_hz() -> None:
-    """At 100 Hz the default e-stop latches after 0.5 s of fallbacks: a hang must be found, and
-    the spare take over, well before (found after 0.5 s of silence, as it once was, it e-stopped)."""
-    hz = 100.0
-    watchdog = WatchdogConfig(hz=hz, deadline_s=0.02, max_delta=1e6)
+@pytest.mark.parametrize("hz", [100.0, 200.0])
+def test_a_hung_network_process_is_replaced_before_the_default_e_stop(hz: float) -> None:
+    """At 100 Hz the default e-stop latches after 0.5 s of fallbacks, at 200 Hz after 0.25 s: a
+    hang must be found, and the spare take over, well before (found after 0.5 s of silence, as it
+    once was, it e-stopped at 100 Hz; after 0.25 s, as it was at both rates until the bound came
+    to follow the rate, at 200 Hz)."""
+    watchdog = WatchdogConfig(hz=hz, deadline_s=min(0.02, 1.0 / hz), max_delta=1e6)
     assert watchdog.estop_after == 50
     with ServerThread(EchoPolicy(3, 2)) as srv:
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
@@ -354,7 +356,7 @@ def test_a_hung_network_process_is_replaced_before_the_default_e_stop_at_100_hz(
             assert host.network_pid == waiting  # the spare took over
             time.sleep(0.3)
             (s,) = host.stats()
-    assert 0.9 * HUNG_AFTER_S * hz <= s["max_consecutive_fallbacks"] < watchdog.estop_after, s
+    assert 0.9 * netproc.hung_after(hz, 50) * hz <= s["max_consecutive_fallbacks"] < watchdog.estop_after, s
     assert s["estops"] == 0 and not s["estopped"]
 
 
@@ -376,22 +378,63 @@ def test_a_network_process_that_closes_its_socket_but_runs_on_is_killed(
     assert re.search(closed, caplog.text), caplog.text
 
 
+@pytest.mark.parametrize("hung_after_s", [HUNG_AFTER_S, netproc.MIN_HUNG_AFTER_S])
 def test_a_network_process_whose_server_answers_late_is_not_taken_for_hung(
-    caplog: pytest.LogCaptureFixture,
+    hung_after_s: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server answers each request after 0.9 s, within the stream's timeout: for longer than
-    HUNG_AFTER_S at a time the network process's heartbeats are all the host hears from it."""
+    the host's bound at a time the network process's heartbeats are all the host hears from it.
+    Also at the shortest bound, which robots that e-stop sooner get (these never e-stop: an
+    e-stopped robot asks for nothing, and a host with nothing unanswered waits on no one)."""
     delay_s = 0.9
     assert delay_s > HUNG_AFTER_S
+    monkeypatch.setattr(netproc, "hung_after", lambda hz, estop_after: hung_after_s)
     with ServerThread(EchoPolicy(3, 2, delay_s=delay_s)) as srv:
         watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, timeout_s=2.0)
         with RobotHost([CounterRobot()], cfg) as host:
             outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox)
+            assert isinstance(outbox, _ProcessOutbox) and outbox.hung_after_s == hung_after_s
+            assert outbox.settings.heartbeat_s == hung_after_s / netproc.HEARTBEATS_PER_HUNG
             assert wait_until(lambda: outbox.messages >= 3, 10, 0.01), "no late answers"
             assert host.network_restarts == 0 and host.reconnects == 0
     assert "hung" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("hz", "estop_after", "hung_s"),
+    [(50.0, 50, HUNG_AFTER_S), (100.0, 50, HUNG_AFTER_S), (200.0, 50, 0.125), (200.0, 0, HUNG_AFTER_S),
+     (400.0, 50, netproc.MIN_HUNG_AFTER_S), (1000.0, 1000, HUNG_AFTER_S)],
+)  # fmt: skip
+def test_a_robot_host_finds_a_hang_well_before_its_robots_e_stop(
+    hz: float, estop_after: int, hung_s: float
+) -> None:
+    """Half the robots' time to e-stop, within [MIN_HUNG_AFTER_S, HUNG_AFTER_S]; never e-stopping
+    robots get the longest bound."""
+    assert netproc.hung_after(hz, estop_after) == pytest.approx(hung_s)
+    assert netproc.HEARTBEAT_S * netproc.HEARTBEATS_PER_HUNG == HUNG_AFTER_S
+
+
+@pytest.mark.parametrize(("hz", "warned"), [(200.0, False), (300.0, True), (400.0, True)])
+def test_a_robot_host_says_when_a_hang_may_e_stop_its_robots(
+    hz: float, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At 200 Hz the default e-stop (50) leaves twice the time a hang is found in; past that the
+    host says at its start that a hang may e-stop the robots, and what e-stop would ride one out."""
+    watchdog = WatchdogConfig(hz=hz, max_delta=1e6)
+    cfg = RobotRunnerConfig("127.0.0.1:1", watchdog, network_process=True)
+    with caplog.at_level(logging.WARNING, logger="edgerl.robot_client.runner"):
+        RobotHost([CounterRobot()], cfg)  # not started: no process, no stream
+    said = [r.getMessage() for r in caplog.records if "may e-stop" in r.getMessage()]
+    if not warned:
+        assert said == []
+        return
+    (line,) = said
+    needed = int(np.ceil(netproc.hung_after(hz, 50) / netproc.ESTOP_SHARE * hz))
+    assert f"robots at {hz:g} Hz e-stop after 50 fallbacks" in line
+    assert f"raise estop_after to {needed} or more" in line
+    hung_s = netproc.hung_after(hz, needed)
+    assert needed / hz >= hung_s / netproc.ESTOP_SHARE - 1e-9  # that setting would not warn
 
 
 def test_network_cpus_must_be_cpus_of_this_process_and_need_a_network_process() -> None:
