@@ -40,7 +40,7 @@ from edgerl.launch.processes import (
     kept_cpus,
     other_cpus,
 )
-from edgerl.robot_client.netproc import RESTART_DELAY_S
+from edgerl.robot_client.netproc import RESTART_DELAY_S, hung_after
 from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig, chunk_defaults
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 
@@ -512,8 +512,12 @@ _LOSSES = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 def _network_loss(cfg: BenchRobotConfig, fleet: _Fleet, progress: Callable[[str], None]) -> dict[str, Any]:
     """Each robot process's network process is killed, then (the new one) stopped: how long its
     robots fell back, and whether any e-stopped (``max_fell_back_s``: the longest run of fallbacks
-    of any robot, in seconds at ``hz``)."""
-    report: dict[str, Any] = {"network_spare": cfg.network_spare}
+    of any robot, in seconds at ``hz``; ``hung_after_s``: the silence after which a robot process
+    takes its network process for hung)."""
+    report: dict[str, Any] = {
+        "network_spare": cfg.network_spare,
+        "hung_after_s": hung_after(cfg.hz, cfg.estop_after),
+    }
     for cmd in _LOSSES:
         fleet.ask("reset")
         progress(f"network processes: {cmd.upper()}, watched for {cfg.network_loss_s:g}s")

@@ -971,6 +971,7 @@ def test_bench_robot_kills_and_stops_the_network_processes(tmp_path: Any) -> Non
     assert (r["config"]["network_loss_s"], r["config"]["network_spare"]) == (1.5, True)
     loss = r["network_loss"]
     assert loss["network_spare"] is True and "outage" not in r
+    assert loss["hung_after_s"] == HUNG_AFTER_S  # 50 Hz, the bench's e-stop after 150: the longest bound
     for phase in (loss["sigkill"], loss["sigstop"]):
         assert (phase["processes_hit"], phase["network_restarts"], phase["robots"]) == (1, 1, 2)
         assert phase["robots_estopped"] == 0 and phase["control_loops_healthy"]
