@@ -761,13 +761,12 @@ class RobotHost:
             self._outbox = _ProcessOutbox(
                 self.links, settings, self.clock, spare=config.network_spare, hung_after_s=hung_s
             )
-            estop_s = wd.estop_after / wd.hz
-            if wd.estop_after and estop_s < hung_s / netproc.ESTOP_SHARE:
+            rides_out = math.ceil(hung_s / netproc.ESTOP_SHARE * wd.hz - 1e-9)  # ticks of fallbacks
+            if 0 < wd.estop_after < rides_out:
                 log.warning("robots at %g Hz e-stop after %d fallbacks (%.3fs); a hung network "
                             "process is found after %.2fs of silence and then replaced: a hang may "
                             "e-stop them (raise estop_after to %d or more to ride one out)",
-                            wd.hz, wd.estop_after, estop_s, hung_s,
-                            math.ceil(hung_s / netproc.ESTOP_SHARE * wd.hz))  # fmt: skip
+                            wd.hz, wd.estop_after, wd.estop_after / wd.hz, hung_s, rides_out)  # fmt: skip
         else:
             self._outbox = _ThreadOutbox(self.links, settings, self.clock)
         for link in self.links:

@@ -415,26 +415,36 @@ def test_a_robot_host_finds_a_hang_well_before_its_robots_e_stop(
     assert netproc.HEARTBEAT_S * netproc.HEARTBEATS_PER_HUNG == HUNG_AFTER_S
 
 
-@pytest.mark.parametrize(("hz", "warned"), [(200.0, False), (300.0, True), (400.0, True)])
-def test_a_robot_host_says_when_a_hang_may_e_stop_its_robots(
-    hz: float, warned: bool, caplog: pytest.LogCaptureFixture
-) -> None:
-    """At 200 Hz the default e-stop (50) leaves twice the time a hang is found in; past that the
-    host says at its start that a hang may e-stop the robots, and what e-stop would ride one out."""
-    watchdog = WatchdogConfig(hz=hz, max_delta=1e6)
+def _hang_warnings(hz: float, estop_after: int, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What a robot host at ``hz`` whose robots e-stop after ``estop_after`` says of a hang."""
+    caplog.clear()
+    watchdog = WatchdogConfig(hz=hz, max_delta=1e6, estop_after=estop_after)
     cfg = RobotRunnerConfig("127.0.0.1:1", watchdog, network_process=True)
     with caplog.at_level(logging.WARNING, logger="edgerl.robot_client.runner"):
         RobotHost([CounterRobot()], cfg)  # not started: no process, no stream
-    said = [r.getMessage() for r in caplog.records if "may e-stop" in r.getMessage()]
-    if not warned:
+    return [r.getMessage() for r in caplog.records if "may e-stop" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("hz", "rides_out"), [(50.0, 0), (200.0, 0), (300.0, 60), (400.0, 80), (1000.0, 200)]
+)
+def test_a_robot_host_says_when_a_hang_may_e_stop_its_robots(
+    hz: float, rides_out: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Up to 200 Hz the default e-stop (50) leaves at least twice the time a hang is found in;
+    past that the host says at its start that a hang may e-stop the robots, and what e-stop would
+    ride one out: that one, set, draws no warning."""
+    said = _hang_warnings(hz, 50, caplog)
+    if not rides_out:
         assert said == []
         return
     (line,) = said
-    needed = int(np.ceil(netproc.hung_after(hz, 50) / netproc.ESTOP_SHARE * hz))
-    assert f"robots at {hz:g} Hz e-stop after 50 fallbacks" in line
-    assert f"raise estop_after to {needed} or more" in line
-    hung_s = netproc.hung_after(hz, needed)
-    assert needed / hz >= hung_s / netproc.ESTOP_SHARE - 1e-9  # that setting would not warn
+    assert line.startswith(f"robots at {hz:g} Hz e-stop after 50 fallbacks ({50 / hz:.3f}s)")
+    assert f"found after {netproc.MIN_HUNG_AFTER_S:.2f}s of silence" in line
+    assert line.endswith(f"(raise estop_after to {rides_out} or more to ride one out)")
+    assert _hang_warnings(hz, rides_out, caplog) == []
+    assert len(_hang_warnings(hz, rides_out - 1, caplog)) == 1
+    assert _hang_warnings(hz, 0, caplog) == []  # robots that never e-stop
 
 
 def test_network_cpus_must_be_cpus_of_this_process_and_need_a_network_process() -> None:
