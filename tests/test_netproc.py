@@ -412,7 +412,6 @@ def test_a_robot_host_finds_a_hang_well_before_its_robots_e_stop(
     """Half the robots' time to e-stop, within [MIN_HUNG_AFTER_S, HUNG_AFTER_S]; never e-stopping
     robots get the longest bound."""
     assert netproc.hung_after(hz, estop_after) == pytest.approx(hung_s)
-    assert netproc.HEARTBEAT_S * netproc.HEARTBEATS_PER_HUNG == HUNG_AFTER_S
 
 
 def _hang_warnings(hz: float, estop_after: int, caplog: pytest.LogCaptureFixture) -> list[str]:
