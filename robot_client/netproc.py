@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -88,6 +89,13 @@ def hung_after(hz: float, estop_after: int) -> float:
     if estop_after == 0:
         return HUNG_AFTER_S
     return min(HUNG_AFTER_S, max(MIN_HUNG_AFTER_S, ESTOP_SHARE * estop_after / hz))
+
+
+def estop_riding_out_a_hang(hz: float) -> int:
+    """The fewest fallbacks in a row (``estop_after``) after which robots ticking at ``hz`` may
+    e-stop and still have :func:`hung_after` be their :data:`ESTOP_SHARE` of that time: below it,
+    the bound is held at :data:`MIN_HUNG_AFTER_S` and a hang may e-stop them."""
+    return math.ceil(MIN_HUNG_AFTER_S / ESTOP_SHARE * hz - 1e-9)
 
 
 def next_start(started_at: float, now: float) -> tuple[float, str]:

@@ -761,7 +761,7 @@ class RobotHost:
             self._outbox = _ProcessOutbox(
                 self.links, settings, self.clock, spare=config.network_spare, hung_after_s=hung_s
             )
-            rides_out = math.ceil(hung_s / netproc.ESTOP_SHARE * wd.hz - 1e-9)  # ticks of fallbacks
+            rides_out = netproc.estop_riding_out_a_hang(wd.hz)
             if 0 < wd.estop_after < rides_out:
                 log.warning("robots at %g Hz e-stop after %d fallbacks (%.3fs); a hung network "
                             "process is found after %.2fs of silence and then replaced: a hang may "

@@ -275,9 +275,9 @@ def test_the_reset_signal_in_a_network_process_s_first_moments_does_not_end_it()
     sock, proc = netproc.spawn()
     try:
         os.kill(proc.pid, signal.SIGUSR1)  # Popen returns once Python is exec'd: before its imports
-        assert wait_until(lambda: _ignores_usr1(proc.pid) or proc.poll() is not None, 10, 0.005)
+        assert wait_until(lambda: _usr1_in(proc.pid, "SigIgn") or proc.poll() is not None, 10, 0.005)
         assert proc.poll() is None, proc.returncode  # -10: the signal ended it
-        assert not _blocks_usr1(proc.pid)  # taken out of the mask again
+        assert not _usr1_in(proc.pid, "SigBlk")  # taken out of the mask again
     finally:
         netproc.stop(sock, proc)
     assert proc.returncode == 0
@@ -296,12 +296,10 @@ def _status_mask(pid: int, field: str) -> int:
     return 0
 
 
-def _ignores_usr1(pid: int) -> bool:
-    return bool(_status_mask(pid, "SigIgn") >> (signal.SIGUSR1 - 1) & 1)
-
-
-def _blocks_usr1(pid: int) -> bool:
-    return bool(_status_mask(pid, "SigBlk") >> (signal.SIGUSR1 - 1) & 1)
+def _usr1_in(pid: int, field: str) -> bool:
+    """Whether SIGUSR1 is in a signal mask of process ``pid`` (``SigIgn``: ignored, ``SigBlk``:
+    blocked)."""
+    return bool(_status_mask(pid, field) >> (signal.SIGUSR1 - 1) & 1)
 
 
 def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCaptureFixture) -> None:
