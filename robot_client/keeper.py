@@ -58,7 +58,8 @@ class StreamSettings:
     backfill: bool = False
     """The stream only fills the server's idle time (``StreamHello.backfill``)."""
     heartbeat_s: float = 0.0
-    """How often a network process writes a heartbeat (seconds); 0: ``netproc.HEARTBEAT_S``."""
+    """After how long without writing a frame a network process writes a heartbeat (seconds); 0:
+    ``netproc.HEARTBEAT_S``."""
 
     @classmethod
     def of(

@@ -59,17 +59,19 @@ keeps failing is not restarted in a tight loop."""
 HUNG_AFTER_S = 0.25
 """A network process that has written nothing, heartbeats included, for this long (seconds)
 while its client waits on it (a robot host: with observations unanswered; a sim worker: from its
-first observations on) is taken for hung, and killed: a live one writes a heartbeat every
-:data:`HEARTBEAT_S`, also while it waits on the server. A robot host whose robots would e-stop
-sooner waits less (:func:`hung_after`). A robot host whose server answered 0.9 s late heard
-nothing from its live network process for 61 ms at most (40 s, three busy loops on this 2-core
-machine). A process taken for hung by mistake costs a robot host's robots the few fallbacks of a
-spare's take-over, a sim worker ~0.2 s to start another."""
+first observations on) is taken for hung, and killed: a live one writes something at least
+every :data:`HEARTBEAT_S` (a heartbeat when it has nothing else to say), also while it waits on
+the server. A robot host whose robots would e-stop sooner waits less (:func:`hung_after`). A
+robot host whose server answered 0.9 s late heard nothing from its live network process for
+61 ms at most (40 s, three busy loops on this 2-core machine). A process taken for hung by
+mistake costs a robot host's robots the few fallbacks of a spare's take-over, a sim worker
+~0.2 s to start another."""
 HEARTBEATS_PER_HUNG = 5
-"""A network process writes this many heartbeats in the silence after which it is hung."""
+"""The silence after which a network process is hung holds this many of its heartbeat intervals."""
 HEARTBEAT_S = HUNG_AFTER_S / HEARTBEATS_PER_HUNG
-"""A network process writes a heartbeat frame this often (seconds), from its event loop, unless
-its settings name another interval (``StreamSettings.heartbeat_s``)."""
+"""A network process that has written nothing for this long (seconds) writes a heartbeat frame,
+from its event loop, unless its settings name another interval (``StreamSettings.heartbeat_s``):
+answers that come faster leave no room for heartbeats."""
 MIN_HUNG_AFTER_S = 0.1
 """The shortest silence a robot host takes a network process for hung after (seconds), its
 heartbeat then every 0.02 s: with that heartbeat and a server answering 0.9 s late, a robot host
@@ -145,14 +147,22 @@ async def _main(sock: socket.socket) -> None:
     if cfg.cpus:  # every thread so far (numpy's among them); gRPC's, started later, inherit it
         for_each_thread(lambda tid: os.sched_setaffinity(tid, cfg.cpus))
 
+    loop = asyncio.get_running_loop()
+    wrote_at = loop.time()
+
+    def write(data: bytes) -> None:
+        nonlocal wrote_at
+        writer.write(data)
+        wrote_at = loop.time()
+
     def answer(epoch: int, a: Actions) -> None:
-        writer.write(encode_answer(epoch, a.policy_version, a.actions, a.log_probs))
+        write(encode_answer(epoch, a.policy_version, a.actions, a.log_probs))
 
     def up(epoch: int) -> None:
-        writer.write(encode_state(UP, epoch))
+        write(encode_state(UP, epoch))
 
     def down(epoch: int, error: errors.EdgeRLError) -> None:
-        writer.write(encode_down(epoch, error))
+        write(encode_down(epoch, error))
 
     keeper = StreamKeeper(cfg, concat_rows, up, down, answer)
 
@@ -172,9 +182,13 @@ async def _main(sock: socket.socket) -> None:
     beat_s = cfg.heartbeat_s or HEARTBEAT_S
 
     async def heartbeat() -> None:
+        """A heartbeat once ``beat_s`` has passed without a frame: answers flowing say as much."""
         while True:
-            await asyncio.sleep(beat_s)
-            writer.write(frame(HEARTBEAT))
+            wait = wrote_at + beat_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                write(frame(HEARTBEAT))
 
     control = asyncio.ensure_future(read_control())
     beat = asyncio.ensure_future(heartbeat())

@@ -393,6 +393,8 @@ class _ProcessOutbox(_Outbox):
         self._restart_at = math.inf
         self._started_at = -math.inf
         self._heard_at = math.inf  # the last word from the network process, or the first row since
+        self.heartbeats = 0
+        """Heartbeat frames read from the network processes since start."""
         self._closing = False
         self._timers: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._timer_seq = 0
@@ -502,6 +504,8 @@ class _ProcessOutbox(_Outbox):
                     self._spare.fill()  # once a stream is up: its start-up does not delay this one's
             elif kind == frames.DOWN:
                 self._down(*netproc.decode_down(payload))
+            elif kind == frames.HEARTBEAT:
+                self.heartbeats += 1
         if self._rows and self.clock.now() - self._heard_at > self.hung_after_s:
             self._lost(hung=True)
             return

@@ -394,9 +394,31 @@ def test_a_network_process_whose_server_answers_late_is_not_taken_for_hung(
             outbox = host._outbox
             assert isinstance(outbox, _ProcessOutbox) and outbox.hung_after_s == hung_after_s
             assert outbox.settings.heartbeat_s == hung_after_s / netproc.HEARTBEATS_PER_HUNG
+            started = time.monotonic()
             assert wait_until(lambda: outbox.messages >= 3, 10, 0.01), "no late answers"
+            waited_s = time.monotonic() - started
             assert host.network_restarts == 0 and host.reconnects == 0
+            # heard between the answers: at least half of those the interval gives
+            assert outbox.heartbeats >= 0.5 * waited_s / outbox.settings.heartbeat_s
     assert "hung" not in caplog.text
+
+
+def test_a_network_process_writes_no_heartbeats_while_its_answers_flow() -> None:
+    """Answers every 10 ms say the network process lives: it writes a heartbeat only after an
+    interval with nothing else to say (before, it wrote one every interval: 20 a second)."""
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=100.0, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
+        with RobotHost([CounterRobot()], cfg) as host:
+            outbox = host._outbox
+            assert isinstance(outbox, _ProcessOutbox)
+            assert wait_until(lambda: host.messages >= 10, 10, 0.01), "no answers"
+            beats, answers, started = outbox.heartbeats, host.messages, time.monotonic()
+            time.sleep(2.0)
+            beats, answers = outbox.heartbeats - beats, host.messages - answers
+            interval_beats = (time.monotonic() - started) / outbox.settings.heartbeat_s
+    assert answers >= 100
+    assert beats <= 0.1 * interval_beats, f"{beats} heartbeats between {answers} answers"
 
 
 @pytest.mark.parametrize(
