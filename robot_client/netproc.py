@@ -183,11 +183,9 @@ async def _main(sock: socket.socket) -> None:
 
     async def heartbeat() -> None:
         """A heartbeat once ``beat_s`` has passed without a frame: answers flowing say as much."""
-        while True:
-            wait = wrote_at + beat_s - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            else:
+        while True:  # awaits on every turn, whatever the interval: never holds the loop
+            await asyncio.sleep(max(0.0, wrote_at + beat_s - loop.time()))
+            if loop.time() - wrote_at >= beat_s:
                 write(frame(HEARTBEAT))
 
     control = asyncio.ensure_future(read_control())
