@@ -137,6 +137,13 @@ def _cpus_of(pid: int) -> set[int]:
     return set().union(*(os.sched_getaffinity(t) for t in thread_ids(pid)))
 
 
+def _process_outbox(host: RobotHost) -> _ProcessOutbox:
+    """``host``'s stream, which a host with ``network_process`` keeps in a network process."""
+    outbox = host._outbox
+    assert isinstance(outbox, _ProcessOutbox)
+    return outbox
+
+
 def test_robots_outlive_their_network_process() -> None:
     """Killing the network process (and no spare kept): the loop keeps its rate on fallbacks, and
     a new process starts at once, on the CPUs it was given, well before the default e-stop (50
@@ -155,8 +162,7 @@ def test_robots_outlive_their_network_process() -> None:
         )
         with RobotHost([robot], cfg, on_tick=record) as host:
             started = time.monotonic()
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox)
+            outbox = _process_outbox(host)
             time.sleep(RESTART_DELAY_S + 0.2)
             first = outbox._proc
             assert first is not None and host.connected
@@ -187,9 +193,7 @@ def test_robots_outlive_their_network_process() -> None:
 
 def _ready_spare(host: RobotHost) -> netproc.Spare:
     """``host``'s spare, once the host's stream is up and the spare has done its imports."""
-    outbox = host._outbox
-    assert isinstance(outbox, _ProcessOutbox)
-    spare = outbox._spare
+    spare = _process_outbox(host)._spare
     assert wait_until(lambda: host.connected and spare.pid is not None, 10, 0.01), "no spare"
     time.sleep(RESTART_DELAY_S + 0.2)  # its imports are done
     return spare
@@ -257,8 +261,7 @@ def test_the_operators_reset_signal_does_not_end_the_network_process() -> None:
         watchdog = WatchdogConfig(hz=50.0, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
         with RobotHost([CounterRobot()], cfg) as host:
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox)
+            outbox = _process_outbox(host)
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
             proc = outbox._proc
             assert proc is not None
@@ -312,8 +315,7 @@ def test_a_hung_network_process_is_killed_and_replaced(caplog: pytest.LogCapture
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, timeout_s=0.5)
         with RobotHost([robot], cfg, on_tick=lambda i, tick, *_: kinds.append(tick.kind)) as host:
             started = time.monotonic()
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox)
+            outbox = _process_outbox(host)
             time.sleep(RESTART_DELAY_S)  # its replacement may start at once
             first = outbox._proc
             assert first is not None and host.connected
@@ -391,8 +393,8 @@ def test_a_network_process_whose_server_answers_late_is_not_taken_for_hung(
         watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, timeout_s=2.0)
         with RobotHost([CounterRobot()], cfg) as host:
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox) and outbox.hung_after_s == hung_after_s
+            outbox = _process_outbox(host)
+            assert outbox.hung_after_s == hung_after_s
             assert outbox.settings.heartbeat_s == hung_after_s / netproc.HEARTBEATS_PER_HUNG
             beats, started = outbox.heartbeats, time.monotonic()
             assert wait_until(lambda: outbox.messages >= 3, 10, 0.01), "no late answers"
@@ -410,8 +412,7 @@ def test_a_network_process_writes_no_heartbeats_while_its_answers_flow() -> None
         watchdog = WatchdogConfig(hz=100.0, max_delta=1e6, estop_after=0)
         cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True)
         with RobotHost([CounterRobot()], cfg) as host:
-            outbox = host._outbox
-            assert isinstance(outbox, _ProcessOutbox)
+            outbox = _process_outbox(host)
             assert wait_until(lambda: host.messages >= 10, 10, 0.01), "no answers"
             beats, answers, started = outbox.heartbeats, host.messages, time.monotonic()
             time.sleep(2.0)
