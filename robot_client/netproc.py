@@ -179,14 +179,14 @@ async def _main(sock: socket.socket) -> None:
         finally:
             keeper.stopping.set()
 
-    beat_s = cfg.heartbeat_s or HEARTBEAT_S
+    beat_s, beat_frame = cfg.heartbeat_s or HEARTBEAT_S, frame(HEARTBEAT)
 
     async def heartbeat() -> None:
         """A heartbeat once ``beat_s`` has passed without a frame: answers flowing say as much."""
         while True:  # awaits on every turn, whatever the interval: never holds the loop
             await asyncio.sleep(max(0.0, wrote_at + beat_s - loop.time()))
             if loop.time() - wrote_at >= beat_s:
-                write(frame(HEARTBEAT))
+                write(beat_frame)
 
     control = asyncio.ensure_future(read_control())
     beat = asyncio.ensure_future(heartbeat())
