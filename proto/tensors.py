@@ -43,11 +43,6 @@ def dtype_name(code: int) -> str:
         return str(code)
 
 
-def to_numpy_dtype(code: int) -> np.dtype[np.generic]:
-    """The numpy dtype for a DType code; ``KeyError`` for an unknown one."""
-    return _TO_NUMPY[code]
-
-
 def from_numpy_dtype(dtype: np.dtype[np.generic]) -> int:
     """The DType code for a numpy dtype; ``ValueError`` if it has no wire form."""
     key = np.dtype(dtype).str.lstrip("<|=")

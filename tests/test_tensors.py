@@ -28,6 +28,12 @@ def test_byte_count_mismatch_names_the_field() -> None:
         tensors.decode(msg, "step.obs")
 
 
+def test_negative_dimensions_are_refused_even_where_the_byte_count_fits() -> None:
+    msg = pb.Tensor(dtype=pb.FLOAT32, shape=[-2, -3], data=b"\x00" * 24)  # (-2) * (-3) * 4 bytes
+    with pytest.raises(tensors.TensorError, match=r"^obs\.shape: negative dimension in \[-2, -3\]$"):
+        tensors.decode(msg, "obs")
+
+
 def test_unknown_dtype_names_the_field() -> None:
     with pytest.raises(tensors.TensorError, match=r"obs\.dtype: unsupported dtype DTYPE_UNSPECIFIED"):
         tensors.decode(pb.Tensor(shape=[1], data=b"\x00" * 4), "obs")
