@@ -40,7 +40,13 @@ from edgerl.edge_server.batcher import (
     BatchResult,
     StreamSlots,
 )
-from edgerl.edge_server.service import STEP_REFUSALS, EdgePolicyServicer, answer_failure, step_refusal
+from edgerl.edge_server.service import (
+    STEP_REFUSALS,
+    EdgePolicyServicer,
+    answer_failure,
+    internal_failure,
+    step_refusal,
+)
 from edgerl.edge_server.transitions import StreamHandle
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_rows
 from edgerl.proto import frames
@@ -143,6 +149,9 @@ class _LocalStream(asyncio.Protocol):
             if invalid:
                 self._servicer.rejected_invalid += 1
             self._refuse(code, message)
+        except Exception as exc:  # a fault of the server's own: refused as over gRPC, not dropped
+            log.exception("local stream %s failed", self._spec.session_id if self._spec else "?")
+            self._refuse(*internal_failure(exc))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True

@@ -104,6 +104,12 @@ def answer_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}"
 
 
+def internal_failure(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message that end a stream on a fault of the server's own (not of the
+    client's input or of the forward pass): INTERNAL, naming the exception."""
+    return grpc.StatusCode.INTERNAL, f"the server failed on this stream: {type(exc).__name__}: {exc}"
+
+
 class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     """Validates client messages, feeds the batcher, answers in request order."""
 
@@ -237,6 +243,9 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             # The transport ended the stream (e.g. an oversized message); the handler ends with it.
             log.info("stream %s ended by transport: %s", spec.session_id if spec else "?", exc.code())
             out.put_nowait(_END)
+        except Exception as exc:  # a fault of the server's own: the stream ends, it does not hang
+            log.exception("stream %s failed", spec.session_id if spec else "?")
+            out.put_nowait(_Abort(*internal_failure(exc)))
         finally:
             if slots is not None:
                 self.batcher.close_stream(slots)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+import pytest
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
@@ -395,3 +396,18 @@ def check_machine_block(result: dict[str, Any]) -> None:
     assert set(gemm) == {"before", "after"}
     # 0.01 ms would be 7 TFLOP/s on one core, 100 ms a tenth of a GFLOP/s: another unit
     assert all(math.isfinite(v) and 0.01 < v < 100.0 for v in gemm.values()), gemm
+
+
+def fault_on_stream(module: Any, name: str, session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make ``module.name`` (a check that takes the stream's spec as its second argument) raise
+    on the stream ``session_id``, as a bug of the server's would; returns the message that
+    stream should end with."""
+    check = getattr(module, name)
+
+    def faulty(first: Any, spec: Any, *rest: Any) -> Any:
+        if spec.session_id == session_id:
+            raise RuntimeError("a fault of the server's own")
+        return check(first, spec, *rest)
+
+    monkeypatch.setattr(module, name, faulty)
+    return "the server failed on this stream: RuntimeError: a fault of the server's own"

@@ -32,6 +32,7 @@ from tests.helpers import (
     EchoPolicy,
     ServerThread,
     act_once,
+    fault_on_stream,
     run,
     running_server,
     serving,
@@ -322,6 +323,31 @@ def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_othe
             writer.write(frames.encode_obs(1, _rows([0, 1], np.full((2, OBS), 666, np.float32))))
             assert await _refusal(reader) == ("INTERNAL", "policy forward pass failed: cannot act on 666")
             await _ask(good, [2, 3])  # the other stream is still served
+
+    run(main())
+
+
+def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_the_others_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As over gRPC: the stream hears INTERNAL and why, where its socket was once closed without
+    a word (asyncio's end of a protocol whose ``data_received`` raised)."""
+    from edgerl.edge_server import local
+
+    message = fault_on_stream(local, "check_rows", "faulty", monkeypatch)
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with (
+            running_server(EchoPolicy(OBS, ACT), local_socket=path) as server,
+            _connected(path) as good,
+            _connected(path, _settings(session_id="faulty")) as (reader, writer),
+        ):
+            await _ask(good, [0, 1])
+            writer.write(frames.encode_obs(1, _rows([0, 1])))
+            assert await _refusal(reader) == ("INTERNAL", message)
+            await _ask(good, [2, 3])  # the other stream is still served
+            assert server.servicer.rejected_invalid == 0  # not the client's fault
 
     run(main())
 

@@ -26,7 +26,7 @@ from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient, ServerInfo
 from edgerl.sim.envs import env_spec, make_vector_env
-from tests.helpers import EchoPolicy, SilentLink, act_once, run, running_server
+from tests.helpers import EchoPolicy, SilentLink, act_once, fault_on_stream, run, running_server, waited
 
 ENV = "HalfCheetah-v5"
 OBS, ACT = 17, 6
@@ -286,6 +286,11 @@ BAD_CASES = {
         "INVALID_ARGUMENT",
         "step.obs.data: 132 bytes do not match shape [2, 17] of FLOAT32 (136 bytes)",
     ),
+    "negative dims": (  # their product, and so the byte count, is that of [2, 17]
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.obs.shape.__setitem__(slice(None), [-2, -OBS]))],
+        "INVALID_ARGUMENT",
+        "step.obs.shape: negative dimension in [-2, -17]",
+    ),
     "rewards count": (
         [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.rewards.append(0.0))],
         "INVALID_ARGUMENT",
@@ -360,6 +365,39 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
                 await healthy.close()
 
     run(main())
+
+
+def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_others_go_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception the server does not expect while it reads a stream ends that stream with
+    INTERNAL at once, where the stream once waited for its deadline; the others are served."""
+    from edgerl.edge_server import service
+
+    message = fault_on_stream(service, "check_step", "faulty", monkeypatch)
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT)) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                healthy = await _healthy_stream(client, "healthy")
+                await _round_trip(healthy)
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                    call = pb_grpc.EdgePolicyStub(ch).Act(timeout=60)
+                    await call.write(pb.ActRequest(hello=pb.StreamHello(session_id="faulty", num_envs=4,
+                                                                        obs_shape=[OBS])))  # fmt: skip
+                    await call.write(_step(0, [0, 1], GOOD))
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call.read()
+                assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, message)
+                assert await waited(lambda: server.servicer.active_streams == 1, 5.0)  # its handler ended
+                for _ in range(3):
+                    await _round_trip(healthy)
+                await healthy.close()
+
+    with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.service"):
+        run(main())
+    failed = [r for r in caplog.records if r.getMessage() == "stream faulty failed"]
+    assert len(failed) == 1 and failed[0].exc_info is not None  # logged with its traceback
 
 
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
