@@ -149,9 +149,8 @@ class _LocalStream(asyncio.Protocol):
             if invalid:
                 self._servicer.rejected_invalid += 1
             self._refuse(code, message)
-        except Exception as exc:  # a fault of the server's own: refused as over gRPC, not dropped
-            log.exception("local stream %s failed", self._spec.session_id if self._spec else "?")
-            self._refuse(*internal_failure(exc))
+        except Exception as exc:
+            self._failed(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
@@ -250,7 +249,18 @@ class _LocalStream(asyncio.Protocol):
         self._write(frames.encode_state(frames.UP, 0))
         log.info("local stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
 
+    def _failed(self, exc: Exception) -> None:
+        """A fault of the server's own: the stream is refused as over gRPC, not left hanging."""
+        log.error("local stream %s failed", self._spec.session_id if self._spec else "?", exc_info=exc)
+        self._refuse(*internal_failure(exc))
+
     def _answer_ready(self, _: asyncio.Future[BatchResult]) -> None:
+        try:
+            self._answer_front()
+        except Exception as exc:
+            self._failed(exc)
+
+    def _answer_front(self) -> None:
         """Answer every request at the front whose actions are in, in order."""
         pending, store, handle = self._pending, self._servicer.store, self._handle
         while pending and pending[0].future.done():

@@ -327,27 +327,45 @@ def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_othe
     run(main())
 
 
+@pytest.mark.parametrize("where", ["check_rows", "TransitionStore.record"])
 def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_the_others_go_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """As over gRPC: the stream hears INTERNAL and why, where its socket was once closed without
-    a word (asyncio's end of a protocol whose ``data_received`` raised)."""
+    a word (a fault while its frame is read: asyncio's end of a protocol whose ``data_received``
+    raised) or it heard nothing more (a fault while its answer is written)."""
     from edgerl.edge_server import local
+    from edgerl.edge_server.transitions import TransitionStore
 
-    message = fault_on_stream(local, "check_rows", "faulty", monkeypatch)
+    if where == "check_rows":
+        message = fault_on_stream(local, "check_rows", "faulty", monkeypatch)
+    else:
+        record = TransitionStore.record
+
+        def faulty(self: TransitionStore, handle: Any, *rest: Any) -> None:
+            if handle.session.session_id == "faulty":
+                raise RuntimeError("a fault of the server's own")
+            record(self, handle, *rest)
+
+        monkeypatch.setattr(TransitionStore, "record", faulty)
+        message = "the server failed on this stream: RuntimeError: a fault of the server's own"
 
     async def main() -> None:
         path = str(tmp_path / "act.sock")
         async with (
-            running_server(EchoPolicy(OBS, ACT), local_socket=path) as server,
+            running_server(
+                EchoPolicy(OBS, ACT), local_socket=path, learner=TransitionConfig(segment_steps=2)
+            ) as server,
             _connected(path) as good,
             _connected(path, _settings(session_id="faulty")) as (reader, writer),
         ):
             await _ask(good, [0, 1])
             writer.write(frames.encode_obs(1, _rows([0, 1])))
             assert await _refusal(reader) == ("INTERNAL", message)
-            await _ask(good, [2, 3])  # the other stream is still served
+            for ids in ([2, 3], [0, 1], [2, 3]):
+                await _ask(good, ids)  # the other stream is still served
             assert server.servicer.rejected_invalid == 0  # not the client's fault
+            assert await waited(lambda: server.servicer.active_streams == 1, 5.0)
 
     run(main())
 
