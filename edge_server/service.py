@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -38,6 +38,15 @@ class _Pending:
     handle: StreamHandle | None
     """The transition-store claim when transitions are collected, with the ids as an array."""
     ids: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class _Opened:
+    """What the reader of an Act stream tells its handler: the session once its hello came, and
+    the transition-store claims to close when the stream ends."""
+
+    session_id: str = "?"
+    handles: list[StreamHandle] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +151,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self, request_iterator: AsyncIterator[pb.ActRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ActResponse]:
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
-        handles: list[StreamHandle] = []
-        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending, handles))
+        opened = _Opened()
+        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending, opened))
         self.active_streams += 1
         store = self.store
         try:
@@ -159,9 +168,15 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 except Exception as exc:
                     await context.abort(*answer_failure(exc))
                     return
-                if store is not None and item.handle is not None and item.ids is not None:
-                    store.record(item.handle, item.ids, res)
-                yield _response(item.seq, item.env_ids, res)
+                try:
+                    if store is not None and item.handle is not None and item.ids is not None:
+                        store.record(item.handle, item.ids, res)
+                    response = _response(item.seq, item.env_ids, res)
+                except Exception as exc:  # a fault of the server's own, as in the reader
+                    log.error("stream %s failed", opened.session_id, exc_info=exc)
+                    await context.abort(*internal_failure(exc))
+                    return
+                yield response
         finally:
             self.active_streams -= 1
             reader.cancel()
@@ -170,14 +185,14 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 if isinstance(left, _Pending) and isinstance(left.future, asyncio.Task):
                     left.future.cancel()
             if store is not None:
-                for handle in handles:
+                for handle in opened.handles:
                     store.close_stream(handle)
 
     async def _read_stream(
         self,
         requests: AsyncIterator[pb.ActRequest],
         out: asyncio.Queue[_Pending | _Abort | None],
-        handles: list[StreamHandle],
+        opened: _Opened,
     ) -> None:
         store = self.store
         handle: StreamHandle | None = None
@@ -199,10 +214,11 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     spec = check_hello(
                         req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
                     )
+                    opened.session_id = spec.session_id
                     slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
                         handle = store.open_stream(spec.session_id, spec.num_envs)
-                        handles.append(handle)
+                        opened.handles.append(handle)
                     log.info("stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
                     continue
                 if kind != "step":
@@ -235,16 +251,18 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             if invalid:
                 self.rejected_invalid += 1
             if isinstance(exc, InvalidRequestError):
-                log.warning("stream %s rejected: %s", spec.session_id if spec else "?", message)
+                log.warning("stream %s rejected: %s", opened.session_id, message)
             out.put_nowait(_Abort(code, message))
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
             # The transport ended the stream (e.g. an oversized message); the handler ends with it.
-            log.info("stream %s ended by transport: %s", spec.session_id if spec else "?", exc.code())
+            log.info("stream %s ended by transport: %s", opened.session_id, exc.code())
             out.put_nowait(_END)
+        except grpc.aio.AbortError:  # the handler ended the stream, and the read that waited with it
+            pass
         except Exception as exc:  # a fault of the server's own: the stream ends, it does not hang
-            log.exception("stream %s failed", spec.session_id if spec else "?")
+            log.error("stream %s failed", opened.session_id, exc_info=exc)
             out.put_nowait(_Abort(*internal_failure(exc)))
         finally:
             if slots is not None:

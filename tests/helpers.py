@@ -398,16 +398,36 @@ def check_machine_block(result: dict[str, Any]) -> None:
     assert all(math.isfinite(v) and 0.01 < v < 100.0 for v in gemm.values()), gemm
 
 
+_FAULT = "a fault of the server's own"
+FAULT_MESSAGE = f"the server failed on this stream: RuntimeError: {_FAULT}"
+"""What a stream hears when one of the faults below is injected into it."""
+
+
 def fault_on_stream(module: Any, name: str, session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Make ``module.name`` (a check that takes the stream's spec as its second argument) raise
-    on the stream ``session_id``, as a bug of the server's would; returns the message that
-    stream should end with."""
+    on the stream ``session_id``, as a bug of the server's would; returns :data:`FAULT_MESSAGE`."""
     check = getattr(module, name)
 
     def faulty(first: Any, spec: Any, *rest: Any) -> Any:
         if spec.session_id == session_id:
-            raise RuntimeError("a fault of the server's own")
+            raise RuntimeError(_FAULT)
         return check(first, spec, *rest)
 
     monkeypatch.setattr(module, name, faulty)
-    return "the server failed on this stream: RuntimeError: a fault of the server's own"
+    return FAULT_MESSAGE
+
+
+def fault_in_record(session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make ``TransitionStore.record`` raise for the stream ``session_id``, as a bug of the
+    server's would; returns :data:`FAULT_MESSAGE`."""
+    from edgerl.edge_server.transitions import TransitionStore
+
+    record = TransitionStore.record
+
+    def faulty(self: TransitionStore, handle: Any, *rest: Any) -> None:
+        if handle.session.session_id == session_id:
+            raise RuntimeError(_FAULT)
+        record(self, handle, *rest)
+
+    monkeypatch.setattr(TransitionStore, "record", faulty)
+    return FAULT_MESSAGE

@@ -32,6 +32,7 @@ from tests.helpers import (
     EchoPolicy,
     ServerThread,
     act_once,
+    fault_in_record,
     fault_on_stream,
     run,
     running_server,
@@ -335,20 +336,11 @@ def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_
     a word (a fault while its frame is read: asyncio's end of a protocol whose ``data_received``
     raised) or it heard nothing more (a fault while its answer is written)."""
     from edgerl.edge_server import local
-    from edgerl.edge_server.transitions import TransitionStore
 
     if where == "check_rows":
         message = fault_on_stream(local, "check_rows", "faulty", monkeypatch)
     else:
-        record = TransitionStore.record
-
-        def faulty(self: TransitionStore, handle: Any, *rest: Any) -> None:
-            if handle.session.session_id == "faulty":
-                raise RuntimeError("a fault of the server's own")
-            record(self, handle, *rest)
-
-        monkeypatch.setattr(TransitionStore, "record", faulty)
-        message = "the server failed on this stream: RuntimeError: a fault of the server's own"
+        message = fault_in_record("faulty", monkeypatch)
 
     async def main() -> None:
         path = str(tmp_path / "act.sock")

@@ -26,7 +26,16 @@ from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient, ServerInfo
 from edgerl.sim.envs import env_spec, make_vector_env
-from tests.helpers import EchoPolicy, SilentLink, act_once, fault_on_stream, run, running_server, waited
+from tests.helpers import (
+    EchoPolicy,
+    SilentLink,
+    act_once,
+    fault_in_record,
+    fault_on_stream,
+    run,
+    running_server,
+    waited,
+)
 
 ENV = "HalfCheetah-v5"
 OBS, ACT = 17, 6
@@ -367,17 +376,22 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
     run(main())
 
 
+@pytest.mark.parametrize("where", ["check_step", "TransitionStore.record"])
 def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_others_go_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
-    """An exception the server does not expect while it reads a stream ends that stream with
-    INTERNAL at once, where the stream once waited for its deadline; the others are served."""
+    """An exception the server does not expect while it reads a stream (once: the stream waited
+    for its deadline) or answers it (once: UNKNOWN, gRPC's word for an exception it was not
+    given) ends that stream with INTERNAL, logged with its traceback; the others are served."""
     from edgerl.edge_server import service
 
-    message = fault_on_stream(service, "check_step", "faulty", monkeypatch)
+    if where == "check_step":
+        message = fault_on_stream(service, "check_step", "faulty", monkeypatch)
+    else:
+        message = fault_in_record("faulty", monkeypatch)
 
     async def main() -> None:
-        async with running_server(EchoPolicy(OBS, ACT)) as server:
+        async with running_server(EchoPolicy(OBS, ACT), learner=TransitionConfig(segment_steps=2)) as server:
             async with EdgeClient(f"127.0.0.1:{server.port}") as client:
                 healthy = await _healthy_stream(client, "healthy")
                 await _round_trip(healthy)
