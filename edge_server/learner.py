@@ -13,6 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.service import internal_failure
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -82,12 +83,16 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 yield pb.TransitionBatch(segments=batch)
             if bad_ack:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad_ack[0])
+            if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
+                # a fault of the server's own: said, where the stream once ended as if all was well
+                log.error("trainer stream failed (generation %d)", generation, exc_info=exc)
+                await context.abort(*internal_failure(exc))
         finally:
             reader.cancel()
             log.info("trainer stream ended (generation %d)", generation)
 
     async def _read_acks(self, requests: AsyncIterator[pb.TransitionAck], bad: list[str]) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError):
             async for ack in requests:
                 last = self.store.next_seq - 1
                 if ack.acked_seq > last:

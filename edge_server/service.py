@@ -113,7 +113,7 @@ def answer_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}"
 
 
-def internal_failure(exc: Exception) -> tuple[grpc.StatusCode, str]:
+def internal_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and message that end a stream on a fault of the server's own (not of the
     client's input or of the forward pass): INTERNAL, naming the exception."""
     return grpc.StatusCode.INTERNAL, f"the server failed on this stream: {type(exc).__name__}: {exc}"

@@ -398,8 +398,8 @@ def check_machine_block(result: dict[str, Any]) -> None:
     assert all(math.isfinite(v) and 0.01 < v < 100.0 for v in gemm.values()), gemm
 
 
-_FAULT = "a fault of the server's own"
-FAULT_MESSAGE = f"the server failed on this stream: RuntimeError: {_FAULT}"
+FAULT = "a fault of the server's own"
+FAULT_MESSAGE = f"the server failed on this stream: RuntimeError: {FAULT}"
 """What a stream hears when one of the faults below is injected into it."""
 
 
@@ -410,7 +410,7 @@ def fault_on_stream(module: Any, name: str, session_id: str, monkeypatch: pytest
 
     def faulty(first: Any, spec: Any, *rest: Any) -> Any:
         if spec.session_id == session_id:
-            raise RuntimeError(_FAULT)
+            raise RuntimeError(FAULT)
         return check(first, spec, *rest)
 
     monkeypatch.setattr(module, name, faulty)
@@ -426,7 +426,7 @@ def fault_in_record(session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
     def faulty(self: TransitionStore, handle: Any, *rest: Any) -> None:
         if handle.session.session_id == session_id:
-            raise RuntimeError(_FAULT)
+            raise RuntimeError(FAULT)
         record(self, handle, *rest)
 
     monkeypatch.setattr(TransitionStore, "record", faulty)

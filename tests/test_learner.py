@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -23,7 +24,7 @@ from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.feed import TransitionFeed, publish_weights
 from edgerl.trainer.segments import segment_key
-from tests.helpers import free_port, run, running_server, waited
+from tests.helpers import FAULT, FAULT_MESSAGE, act_once, free_port, run, running_server, waited
 
 ENV = "InvertedPendulum-v5"
 
@@ -242,6 +243,35 @@ def test_a_backlog_goes_out_in_messages_that_fit_and_an_ack_of_an_unsent_segment
             assert info.value.details() == f"acked_seq: {held + 5} was never sent (last segment is {held})"
 
     run(main())
+
+
+def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception the server does not expect while it takes the trainer's acks ends the
+    trainer's stream with INTERNAL naming it, where the stream once ended with OK as if all
+    was well (and a trainer reconnected, to fail the same way, without a word of why)."""
+    from edgerl.edge_server.transitions import TransitionStore
+
+    def faulty(self: TransitionStore, *args: Any) -> None:
+        raise RuntimeError(FAULT)
+
+    monkeypatch.setattr(TransitionStore, "ack", faulty)
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig(segment_steps=2)) as server:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                call = pb_grpc.LearnerStub(channel).StreamTransitions(timeout=30)
+                await call.write(pb.TransitionAck(acked_seq=0, window_steps=1 << 20, trainer_id="test"))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call.read()
+            assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, FAULT_MESSAGE)
+            await act_once(server.address, np.zeros((2, *env_spec(ENV).obs_shape), np.float32))  # served on
+
+    with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.learner"):
+        run(main())
+    failed = [r for r in caplog.records if r.getMessage().startswith("trainer stream failed")]
+    assert len(failed) == 1 and failed[0].exc_info is not None
 
 
 def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> None:
