@@ -29,6 +29,7 @@ from edgerl.launch.processes import (
     LLM_PRESET,
     USER_ERRORS,
     PolicySpec,
+    ServerLostError,
     ServerProcess,
     ServerStartError,
     WorkerError,
@@ -43,6 +44,7 @@ from edgerl.launch.processes import (
 )
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
+from edgerl.robot_client import errors
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.watchdog.watchdog import Fallback
@@ -795,7 +797,9 @@ def _rollout(a: argparse.Namespace) -> int:
             flush=True,
         )
         with _fleet(a, server.address, local) as fleet:
-            summary = watch(fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}")
+            summary = watch(
+                fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check
+            )
         summary["server"] = server_stats(server.address)
     return _report(summary, a.json)
 
@@ -816,7 +820,6 @@ def _robot(a: argparse.Namespace) -> int:
 
 
 def _describe(a: argparse.Namespace) -> int:
-    from edgerl.robot_client import errors
     from edgerl.robot_client.client import describe_server
 
     try:
@@ -917,6 +920,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:  # bad option values or config files
         print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
-    except (BindError, ServerStartError, WorkerError) as exc:  # a server or worker failed, as it said
+    except (BindError, ServerStartError, ServerLostError, WorkerError) as exc:  # as the process said
+        print(f"edgerl: error: {exc}", file=sys.stderr)
+        return 1
+    except errors.EdgeRLError as exc:  # a call to a server failed (its status and message)
         print(f"edgerl: error: {exc}", file=sys.stderr)
         return 1

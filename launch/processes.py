@@ -351,6 +351,21 @@ class WorkerError(RuntimeError):
     """A sim worker process ended with an error; the message holds what it said."""
 
 
+class ServerLostError(RuntimeError):
+    """The edge server process ended while it was in use (killed, e.g. by the OOM killer, or
+    crashed), not stopped by its owner."""
+
+
+def exit_words(code: int) -> str:
+    """A process's exit code in words: ``exit code 3``, ``killed by SIGKILL``."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 class ServerProcess:
     """The edge server in its own process. ``with ServerProcess(...) as s: s.address``."""
 
@@ -439,6 +454,18 @@ class ServerProcess:
             log.warning("edge server did not stop within %.0fs; killing it", timeout_s)
             proc.kill()
             proc.join()
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise :class:`ServerLostError` if the server process, started and not stopped, has
+        ended (waiting up to ``wait_s`` for it to end: a call that just failed may have seen it
+        die before its exit code is known)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if wait_s > 0:
+            proc.join(wait_s)
+        if proc.exitcode is not None:
+            raise ServerLostError(f"the edge server process ended ({exit_words(proc.exitcode)})")
 
     def kill(self) -> None:
         """SIGKILL: the server dies as in a crash, with no graceful shutdown."""
@@ -731,7 +758,9 @@ class WorkerFleet:
         said = []
         while not self._errors.empty():
             said.append(self._errors.get())
-        raise WorkerError(f"sim worker exited with codes {codes}" + "".join(f"; {s}" for s in said))
+        ended = ", ".join(exit_words(code) for code in codes)
+        which = "a sim worker process" if len(codes) == 1 else f"{len(codes)} sim worker processes"
+        raise WorkerError(f"{which} ended ({ended})" + "".join(f"; {s}" for s in said))
 
     def poll_episodes(self) -> list[tuple[float, int]]:
         """Episodes finished since the last call, as (return, length)."""

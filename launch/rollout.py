@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
@@ -12,12 +13,20 @@ from edgerl.launch.processes import WorkerFleet
 
 
 def watch(
-    fleet: WorkerFleet, *, seconds: float, steps: int, desc: str, start_timeout_s: float | None = 120.0
+    fleet: WorkerFleet,
+    *,
+    seconds: float,
+    steps: int,
+    desc: str,
+    start_timeout_s: float | None = 120.0,
+    check: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Show progress until ``seconds`` pass, ``steps`` env steps are done, workers end, or Ctrl-C.
 
     Both count from the workers' first env steps, which may wait ``start_timeout_s`` (``None``:
-    without limit) for the server: :meth:`WorkerFleet.wait_started`.
+    without limit) for the server: :meth:`WorkerFleet.wait_started`. ``check`` is called every
+    half second beside the workers' own check, and raises to end the watch (the server's
+    process ended, for one).
 
     Returns:
         A summary: the env steps the workers made, the wall time watched (from when their first
@@ -41,6 +50,7 @@ def watch(
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
                 )
                 fleet.check()
+                check()
                 if (
                     (seconds > 0 and now - t0 >= seconds)
                     or (steps > 0 and done - s0 >= steps)

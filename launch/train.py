@@ -30,7 +30,9 @@ from edgerl.launch import jsonout
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
+    ServerLostError,
     ServerProcess,
+    WorkerError,
     WorkerFleet,
     build_mlp,
     check_dtype,
@@ -39,6 +41,7 @@ from edgerl.launch.processes import (
     llm_model_dir,
     on_stop_signals,
 )
+from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.config import TrainerConfig
 
@@ -249,6 +252,15 @@ class _StopFlag:
         self.set = True
 
 
+def _resume_hint(run_dir: Path) -> str:
+    """How to go on with a run that failed, where it saved a checkpoint."""
+    from edgerl.trainer.trainer import latest_checkpoint
+
+    if latest_checkpoint(run_dir) is None:
+        return ""
+    return f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
+
+
 def run_training(
     cfg: RunConfig, *, resume: bool = False, progress: bool = True, log_level: str = "WARNING"
 ) -> dict[str, Any]:
@@ -335,8 +347,21 @@ def run_training(
                     lag=f"{scalars['staleness/lag_mean']:.2f}",
                 )
 
+            def should_stop() -> bool:
+                """Polled while the trainer waits for transitions (every 0.2 s): a server or a
+                worker that ended ends the run, which would otherwise wait for it for good."""
+                server.check()
+                fleet.check()
+                return stop.set
+
             try:
-                state = trainer.run(lambda: stop.set, on_update)
+                try:
+                    state = trainer.run(should_stop, on_update)
+                except errors.EdgeRLError:  # a call that failed because the server is gone says so
+                    server.check(wait_s=1.0)
+                    raise
+            except (ServerLostError, WorkerError) as exc:
+                raise type(exc)(f"{exc}{_resume_hint(run_dir)}") from exc
             finally:
                 bar.close()
             wall = time.monotonic() - t0

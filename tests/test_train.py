@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import signal
 import subprocess
@@ -104,6 +106,81 @@ def test_ctrl_c_or_sigterm_stops_everything_cleanly(stop: signal.Signals, tmp_pa
     summary = json.loads(out.read_text())
     assert summary["interrupted"] is True and summary["updates"] >= 3
     assert (run_dir / "checkpoints" / "latest.pt").exists()
+    assert "Traceback" not in err
+
+
+def _listens(pid: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket (the edge server does; workers,
+    the trainer and multiprocessing's resource tracker do not)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                listening.add(fields[9])
+    fds = Path(f"/proc/{pid}/fd")
+    links = [os.readlink(fd) for fd in fds.iterdir()]
+    return any(link[8:-1] in listening for link in links if link.startswith("socket:["))
+
+
+@pytest.mark.parametrize(
+    ("command", "victim"), [("train", "server"), ("train", "worker"), ("rollout", "server")]
+)
+def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_to_go_on_from(
+    command: str, victim: str, tmp_path: Path
+) -> None:
+    """A server or sim worker process that dies (SIGKILL: the OOM killer's way) ends ``edgerl
+    train`` at once with exit code 1, what died and how to resume; the run once waited for it for
+    good, the trainer and the other processes reconnecting to a server that was gone. So does
+    ``edgerl rollout`` without a time limit, which has no checkpoint."""
+    run_dir = tmp_path / "run"
+    args = (
+        ["--steps", "10000000", "--run-dir", str(run_dir)] if command == "train" else ["--steps", "10000000"]
+    )
+    proc = subprocess.Popen(
+        [*EDGERL, command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+
+    def spawned() -> list[int]:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        return [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+
+    def started() -> bool:  # a few updates made, or (rollout) server and worker up for a while
+        if command == "train":
+            return metrics.exists() and metrics.read_text().count("\n") >= 3
+        if len(spawned()) < 2:
+            return False
+        time.sleep(3.0)  # its worker stepping for a while
+        return True
+
+    try:
+        deadline = time.monotonic() + 180
+        while not started():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.5)
+        servers = [c for c in spawned() if _listens(c)]
+        assert len(servers) == 1 and len(spawned()) == 2, (spawned(), servers)  # one server, one worker
+        worker = next(c for c in spawned() if c not in servers)
+        os.kill(servers[0] if victim == "server" else worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a run that did not end: not left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-2000:]
+    said = err.splitlines()[-1]
+    died = "the edge server process" if victim == "server" else "a sim worker process"
+    assert said.startswith(f"edgerl: error: {died} ended (killed by SIGKILL)"), said
+    if command == "train":
+        hint = f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
+        assert said.endswith(hint), said
+        assert (run_dir / "checkpoints" / "latest.pt").exists()
+    else:
+        assert said == f"edgerl: error: {died} ended (killed by SIGKILL)", said
     assert "Traceback" not in err
 
 
