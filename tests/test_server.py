@@ -397,8 +397,8 @@ def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_other
                 await _round_trip(healthy)
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
                     call = pb_grpc.EdgePolicyStub(ch).Act(timeout=60)
-                    await call.write(pb.ActRequest(hello=pb.StreamHello(session_id="faulty", num_envs=4,
-                                                                        obs_shape=[OBS])))  # fmt: skip
+                    hello = pb.StreamHello(session_id="faulty", num_envs=4, obs_shape=[OBS])
+                    await call.write(pb.ActRequest(hello=hello))
                     await call.write(_step(0, [0, 1], GOOD))
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call.read()
