@@ -393,6 +393,11 @@ class ServerProcess:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id; None before :meth:`start` and after :meth:`stop`."""
+        return None if self._proc is None else int(self._proc.pid)
+
     def start(self, *, standby: bool = False) -> str:
         """Start the server; after a :meth:`kill` or :meth:`stop` it comes back on the same port.
 

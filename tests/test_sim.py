@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import (
     PolicySpec,
+    ServerLostError,
     ServerProcess,
     WorkerError,
     WorkerFleet,
@@ -246,6 +248,23 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
     assert fleet.failed() == []  # it exited by itself, not killed
     assert len(fleet.episode_returns) > 2000
     assert took < 5.0, f"stop() took {took:.1f}s"
+
+
+def test_a_server_process_that_ended_unasked_is_told_from_one_its_owner_stopped() -> None:
+    """``ServerProcess.check`` says nothing while the server runs, nor before it started or after
+    its owner stopped it; once its process died unasked, it raises, saying how, also when asked
+    to wait for the end a failed call may have seen first (``wait_s``)."""
+    server = ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small"))
+    server.check()  # not started
+    with server:
+        server.check(wait_s=0.2)  # running: waits out its 0.2 s, then says nothing
+        pid = server.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ServerLostError, match=r"^the edge server process ended \(killed by SIGKILL\)$"):
+            server.check(wait_s=30.0)  # returns once it has ended, not after 30 s
+    assert server.pid is None
+    server.check()  # stopped by its owner (the with block): nothing to say
 
 
 def test_a_fleet_waiting_for_an_absent_server_says_so_then_fails_with_its_address(
