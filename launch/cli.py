@@ -920,9 +920,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:  # bad option values or config files
         print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
-    except (BindError, ServerStartError, ServerLostError, WorkerError) as exc:  # as the process said
-        print(f"edgerl: error: {exc}", file=sys.stderr)
-        return 1
-    except errors.EdgeRLError as exc:  # a call to a server failed (its status and message)
-        print(f"edgerl: error: {exc}", file=sys.stderr)
+    except (BindError, ServerStartError, ServerLostError, WorkerError, errors.EdgeRLError) as exc:
+        # a process failed, as it said, or a call to a server did (its status and message); a
+        # note says how to go on (train: the checkpoint to resume from)
+        print(f"edgerl: error: {exc}{''.join(getattr(exc, '__notes__', ()))}", file=sys.stderr)
         return 1

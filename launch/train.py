@@ -360,8 +360,10 @@ def run_training(
                 except errors.EdgeRLError:  # a call that failed because the server is gone says so
                     server.check(wait_s=1.0)
                     raise
-            except (ServerLostError, WorkerError) as exc:
-                raise type(exc)(f"{exc}{_resume_hint(run_dir)}") from exc
+            except (ServerLostError, WorkerError, errors.EdgeRLError) as exc:
+                if hint := _resume_hint(run_dir):
+                    exc.add_note(hint)  # the command line prints it after the error
+                raise
             finally:
                 bar.close()
             wall = time.monotonic() - t0
