@@ -190,6 +190,12 @@ def first_spawn_runs_on(spawned: Spawned) -> Callable[..., tuple[socket.socket, 
     return first_runs_on
 
 
+def child_pids(pid: int) -> list[int]:
+    """The ids of process ``pid``'s children (Linux's ``/proc/PID/task/PID/children``)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
 def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:
     """Calls ``condition`` every ``poll_s`` until it returns a true value or ``timeout_s`` passed,
     and returns its last value: the caller asserts on it, or on what the wait was for."""
@@ -400,34 +406,32 @@ def check_machine_block(result: dict[str, Any]) -> None:
 
 FAULT = "a fault of the server's own"
 FAULT_MESSAGE = f"the server failed on this stream: RuntimeError: {FAULT}"
-"""What a stream hears when one of the faults below is injected into it."""
+"""What a stream hears when a fault injected with :func:`inject_fault` hits it."""
 
 
-def fault_on_stream(module: Any, name: str, session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Make ``module.name`` (a check that takes the stream's spec as its second argument) raise
-    on the stream ``session_id``, as a bug of the server's would; returns :data:`FAULT_MESSAGE`."""
-    check = getattr(module, name)
+def inject_fault(owner: Any, name: str, when: Callable[..., bool], monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make ``owner.name`` (a module's function, or a class's method) raise, as a bug of the
+    server's would, on the calls whose arguments ``when`` accepts; returns :data:`FAULT_MESSAGE`."""
+    real = getattr(owner, name)
 
-    def faulty(first: Any, spec: Any, *rest: Any) -> Any:
-        if spec.session_id == session_id:
+    def faulty(*args: Any) -> Any:
+        if when(*args):
             raise RuntimeError(FAULT)
-        return check(first, spec, *rest)
+        return real(*args)
 
-    monkeypatch.setattr(module, name, faulty)
+    monkeypatch.setattr(owner, name, faulty)
     return FAULT_MESSAGE
 
 
-def fault_in_record(session_id: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Make ``TransitionStore.record`` raise for the stream ``session_id``, as a bug of the
-    server's would; returns :data:`FAULT_MESSAGE`."""
-    from edgerl.edge_server.transitions import TransitionStore
+def on_session(session_id: str) -> Callable[..., bool]:
+    """A ``when`` of :func:`inject_fault`: the calls for the stream ``session_id``, named by the
+    ``StreamSpec`` or transition-store ``StreamHandle`` among their arguments."""
+    from edgerl.edge_server.transitions import StreamHandle
+    from edgerl.edge_server.validation import StreamSpec
 
-    record = TransitionStore.record
+    def when(*args: Any) -> bool:
+        specs = [a.session_id for a in args if isinstance(a, StreamSpec)]
+        handles = [a.session.session_id for a in args if isinstance(a, StreamHandle)]
+        return session_id in specs + handles
 
-    def faulty(self: TransitionStore, handle: Any, *rest: Any) -> None:
-        if handle.session.session_id == session_id:
-            raise RuntimeError(FAULT)
-        record(self, handle, *rest)
-
-    monkeypatch.setattr(TransitionStore, "record", faulty)
-    return FAULT_MESSAGE
+    return when

@@ -24,7 +24,7 @@ from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.feed import TransitionFeed, publish_weights
 from edgerl.trainer.segments import segment_key
-from tests.helpers import FAULT, FAULT_MESSAGE, act_once, free_port, run, running_server, waited
+from tests.helpers import FAULT_MESSAGE, act_once, free_port, inject_fault, run, running_server, waited
 
 ENV = "InvertedPendulum-v5"
 
@@ -253,10 +253,7 @@ def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
     was well (and a trainer reconnected, to fail the same way, without a word of why)."""
     from edgerl.edge_server.transitions import TransitionStore
 
-    def faulty(self: TransitionStore, *args: Any) -> None:
-        raise RuntimeError(FAULT)
-
-    monkeypatch.setattr(TransitionStore, "ack", faulty)
+    inject_fault(TransitionStore, "ack", lambda *_: True, monkeypatch)
 
     async def main() -> None:
         async with running_server(_backend(), learner=TransitionConfig(segment_steps=2)) as server:

@@ -32,8 +32,8 @@ from tests.helpers import (
     EchoPolicy,
     ServerThread,
     act_once,
-    fault_in_record,
-    fault_on_stream,
+    inject_fault,
+    on_session,
     run,
     running_server,
     serving,
@@ -336,11 +336,10 @@ def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_
     a word (a fault while its frame is read: asyncio's end of a protocol whose ``data_received``
     raised) or it heard nothing more (a fault while its answer is written)."""
     from edgerl.edge_server import local
+    from edgerl.edge_server.transitions import TransitionStore
 
-    if where == "check_rows":
-        message = fault_on_stream(local, "check_rows", "faulty", monkeypatch)
-    else:
-        message = fault_in_record("faulty", monkeypatch)
+    owner = local if where == "check_rows" else TransitionStore
+    message = inject_fault(owner, where.removeprefix("TransitionStore."), on_session("faulty"), monkeypatch)
 
     async def main() -> None:
         path = str(tmp_path / "act.sock")

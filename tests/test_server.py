@@ -30,8 +30,8 @@ from tests.helpers import (
     EchoPolicy,
     SilentLink,
     act_once,
-    fault_in_record,
-    fault_on_stream,
+    inject_fault,
+    on_session,
     run,
     running_server,
     waited,
@@ -384,11 +384,10 @@ def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_other
     for its deadline) or answers it (once: UNKNOWN, gRPC's word for an exception it was not
     given) ends that stream with INTERNAL, logged with its traceback; the others are served."""
     from edgerl.edge_server import service
+    from edgerl.edge_server.transitions import TransitionStore
 
-    if where == "check_step":
-        message = fault_on_stream(service, "check_step", "faulty", monkeypatch)
-    else:
-        message = fault_in_record("faulty", monkeypatch)
+    owner = service if where == "check_step" else TransitionStore
+    message = inject_fault(owner, where.removeprefix("TransitionStore."), on_session("faulty"), monkeypatch)
 
     async def main() -> None:
         async with running_server(EchoPolicy(OBS, ACT), learner=TransitionConfig(segment_steps=2)) as server:
