@@ -22,6 +22,7 @@ from tests.helpers import (
     ServerThread,
     act_once,
     broken_pid_echo,
+    child_pids,
     pid_echo_built_in,
     serving,
     slow_pid_echo,
@@ -186,7 +187,7 @@ def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
     with serving("--replicas", "2") as (proc, line):
         assert "serving HalfCheetah-v5 on" in line, line
         address = line.split()[-1]
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        children = child_pids(proc.pid)
         assert len(children) == 2  # one process per replica
 
         async def act() -> tuple[str, Any]:
@@ -201,10 +202,6 @@ def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
         assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
 @pytest.mark.parametrize("how", ["stop", "sigterm"])
 def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str) -> None:
     """The robot bench's spare server waits built and warm; stopped before it is activated (the
@@ -214,7 +211,7 @@ def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str)
     server.start(standby=True)
     proc = server._proc
     try:
-        replicas = _children(proc.pid)
+        replicas = child_pids(proc.pid)
         assert len(replicas) == 2
         if how == "sigterm":  # from outside, as a process manager stops it
             os.kill(proc.pid, signal.SIGTERM)

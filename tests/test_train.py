@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
-from tests.helpers import EDGERL, check_machine_block
+from tests.helpers import EDGERL, check_machine_block, child_pids
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
@@ -147,8 +147,7 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     metrics = run_dir / "metrics.jsonl"
 
     def spawned() -> list[int]:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        return [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        return [c for c in child_pids(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
 
     def started() -> bool:  # a few updates made, or (rollout) server and worker up for a while
         if command == "train":
