@@ -13,7 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
-from edgerl.edge_server.service import internal_failure
+from edgerl.edge_server.service import answers_own_faults, internal_failure
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -100,6 +100,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                     return
                 self.store.ack(ack.acked_seq, ack.window_steps)
 
+    @answers_own_faults
     async def PublishWeights(  # noqa: N802
         self, request: pb.PublishWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishWeightsResponse:

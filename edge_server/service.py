@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -28,6 +30,9 @@ from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _FLOAT32 = pb.FLOAT32
+_Servicer = TypeVar("_Servicer")
+_Request = TypeVar("_Request")
+_Reply = TypeVar("_Reply")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +118,34 @@ def answer_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}"
 
 
-def internal_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message that end a stream on a fault of the server's own (not of the
-    client's input or of the forward pass): INTERNAL, naming the exception."""
-    return grpc.StatusCode.INTERNAL, f"the server failed on this stream: {type(exc).__name__}: {exc}"
+def internal_failure(exc: BaseException, on: str = "stream") -> tuple[grpc.StatusCode, str]:
+    """The status and message that end a stream (or a unary ``call``) on a fault of the
+    server's own (not of the client's input or of the forward pass): INTERNAL, naming the
+    exception."""
+    return grpc.StatusCode.INTERNAL, f"the server failed on this {on}: {type(exc).__name__}: {exc}"
+
+
+def answers_own_faults(
+    handler: Callable[[_Servicer, _Request, grpc.aio.ServicerContext], Awaitable[_Reply]],
+) -> Callable[[_Servicer, _Request, grpc.aio.ServicerContext], Awaitable[_Reply]]:
+    """A unary RPC's handler whose own faults end the call with INTERNAL, naming the exception
+    (:func:`internal_failure`), and are logged with their traceback, as a stream's are. Left to
+    gRPC, the caller would read UNKNOWN, ``Unexpected <class '...'>``, and the log would not say
+    which call failed. A refusal the handler gives (``context.abort``) passes as it is."""
+    logger = logging.getLogger(handler.__module__)
+
+    @functools.wraps(handler)
+    async def guarded(self: _Servicer, request: _Request, context: grpc.aio.ServicerContext) -> _Reply:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            logger.error("%s call failed", handler.__name__, exc_info=exc)
+            await context.abort(*internal_failure(exc, "call"))
+            raise  # not reached: abort raises AbortError
+
+    return guarded
 
 
 class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
@@ -312,6 +341,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         return await self.batcher.submit(obs, slots)
 
     # -- unary RPCs --------------------------------------------------------------------------------
+    @answers_own_faults
     async def ActUnary(  # noqa: N802
         self, request: pb.ActUnaryRequest, context: grpc.aio.ServicerContext
     ) -> pb.ActResponse:
@@ -329,6 +359,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             await context.abort(*answer_failure(exc))
         return _response(0, list(range(obs.shape[0])), res)
 
+    @answers_own_faults
     async def Describe(  # noqa: N802
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DescribeResponse:
@@ -344,6 +375,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             action_chunk=b.chunk,
         )
 
+    @answers_own_faults
     async def Stats(  # noqa: N802
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:

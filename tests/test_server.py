@@ -21,12 +21,15 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import SERVICE_NAME, BindError, EdgeServer, ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
+from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import ActStream, EdgeClient, ServerInfo
 from edgerl.sim.envs import env_spec, make_vector_env
+from edgerl.trainer.feed import weights_request
 from tests.helpers import (
+    FAULT,
     EchoPolicy,
     SilentLink,
     act_once,
@@ -411,6 +414,64 @@ def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_other
         run(main())
     failed = [r for r in caplog.records if r.getMessage() == "stream faulty failed"]
     assert len(failed) == 1 and failed[0].exc_info is not None  # logged with its traceback
+
+
+#: A unary RPC: where a fault goes into it, the request that reaches that place, and what its
+#: answer holds once the fault is gone.
+UNARY_FAULTS: dict[str, tuple[str, str, Callable[[], Any], Callable[[Any], bool]]] = {
+    "ActUnary": (
+        "service",
+        "check_obs",
+        lambda: pb.ActUnaryRequest(obs=tensors.float32(np.zeros((2, OBS), np.float32))),
+        lambda r: list(r.actions.shape) == [2, ACT],
+    ),
+    "Describe": ("service", "_box", pb.DescribeRequest, lambda r: list(r.observation_space.shape) == [OBS]),
+    "Stats": ("service", "percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
+    "PublishWeights": (
+        "learner",
+        "decode_weights",
+        lambda: weights_request(build_policy("mlp", OBS, ACT, seed=2).state_dict(), 1),
+        lambda r: (r.applied, r.policy_version) == (True, 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("rpc", list(UNARY_FAULTS))
+def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_server_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, rpc: str
+) -> None:
+    """A unary call that meets an exception the server does not expect ends with INTERNAL
+    naming it (once: UNKNOWN, gRPC's "Unexpected <class ...>"), logged with the call's name and
+    its traceback; the streams go on, and the same call is answered once the fault is gone."""
+    from edgerl.edge_server import learner, service
+
+    module, name, request, answered = UNARY_FAULTS[rpc]
+    stub_of = pb_grpc.LearnerStub if rpc == "PublishWeights" else pb_grpc.EdgePolicyStub
+
+    async def main() -> None:
+        async with running_server(_torch_backend(), learner=TransitionConfig()) as server:
+            async with EdgeClient(server.address) as client, grpc.aio.insecure_channel(server.address) as ch:
+                healthy = await _healthy_stream(client, "healthy")
+                await _round_trip(healthy)
+                call = getattr(stub_of(ch), rpc)
+                with monkeypatch.context() as patch:
+                    inject_fault(
+                        {"service": service, "learner": learner}[module], name, lambda *_: True, patch
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call(request(), timeout=10)
+                    await _round_trip(healthy)  # the streams are served while the fault stays
+                assert (info.value.code(), info.value.details()) == (
+                    grpc.StatusCode.INTERNAL,
+                    f"the server failed on this call: RuntimeError: {FAULT}",
+                )
+                assert answered(await call(request(), timeout=10))
+                await healthy.close()
+
+    with caplog.at_level(logging.ERROR, logger=f"edgerl.edge_server.{module}"):
+        run(main())
+    failed = [r for r in caplog.records if r.getMessage() == f"{rpc} call failed"]
+    assert len(failed) == 1 and failed[0].exc_info is not None
 
 
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:

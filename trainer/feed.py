@@ -193,6 +193,15 @@ def learner_channel(server: str, security: ClientSecurity | None = None) -> grpc
     return channel
 
 
+def weights_request(state: dict[str, Any], version: int) -> pb.PublishWeightsRequest:
+    """The PublishWeights request that carries a torch ``state_dict`` (or numpy arrays) as ``version``."""
+    msg = pb.PublishWeightsRequest(version=version)
+    for name, value in state.items():
+        arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+        msg.tensors[name].CopyFrom(tensors.encode(np.array(arr, order="C")))  # keeps 0-d shapes
+    return msg
+
+
 def publish_weights(
     stub: pb_grpc.LearnerStub,
     state: dict[str, Any],
@@ -201,13 +210,11 @@ def publish_weights(
     security: ClientSecurity | None = None,
 ) -> pb.PublishWeightsResponse:
     """Send a torch ``state_dict`` to the edge server as ``version``."""
-    msg = pb.PublishWeightsRequest(version=version)
-    for name, value in state.items():
-        arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
-        msg.tensors[name].CopyFrom(tensors.encode(np.array(arr, order="C")))  # keeps 0-d shapes
     try:
         resp: pb.PublishWeightsResponse = stub.PublishWeights(
-            msg, timeout=timeout_s, metadata=(security or ClientSecurity()).metadata()
+            weights_request(state, version),
+            timeout=timeout_s,
+            metadata=(security or ClientSecurity()).metadata(),
         )
     except grpc.RpcError as exc:
         raise errors.from_grpc(exc) from None
