@@ -109,6 +109,12 @@ def test_ctrl_c_or_sigterm_stops_everything_cleanly(stop: signal.Signals, tmp_pa
     assert "Traceback" not in err
 
 
+def _spawned(pid: int) -> list[int]:
+    """The child processes of ``pid`` that multiprocessing spawned (its server and workers; not
+    its resource tracker)."""
+    return [c for c in child_pids(pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+
+
 def _listens(pid: int) -> bool:
     """Whether process ``pid`` holds a listening TCP socket (the edge server does; workers,
     the trainer and multiprocessing's resource tracker do not)."""
@@ -147,7 +153,7 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     metrics = run_dir / "metrics.jsonl"
 
     def spawned() -> list[int]:
-        return [c for c in child_pids(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        return _spawned(proc.pid)
 
     def started() -> bool:  # a few updates made, or (rollout) server and worker up for a while
         if command == "train":
@@ -181,6 +187,31 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     else:
         assert said == f"edgerl: error: {died} ended (killed by SIGKILL)", said
     assert "Traceback" not in err
+
+
+def test_a_call_the_live_server_refuses_ends_the_run_in_one_line_with_a_checkpoint_to_go_on_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer's call that the server refuses while it runs on (here a publish of a version it
+    already serves: FAILED_PRECONDITION) ends ``edgerl train`` with exit code 1 and the refusal
+    in one line, with the checkpoint to resume from, and stops the server and the workers."""
+    from edgerl.launch.cli import main
+    from edgerl.trainer.feed import publish_weights as real
+
+    def publish(stub: Any, state: Any, version: int, **kwargs: Any) -> Any:
+        return real(stub, state, 0 if version == 3 else version, **kwargs)  # version 0 is served
+
+    monkeypatch.setattr("edgerl.trainer.trainer.publish_weights", publish)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--steps", "10000000", "--run-dir", str(run_dir)]) == 1
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said == (
+        "edgerl: error: FAILED_PRECONDITION: version: must be greater than the served version 2, got 0"
+        f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
+    )
+    assert [m["charts/policy_version"] for m in _metrics(run_dir)] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest.pt").exists()
+    assert _spawned(os.getpid()) == []  # its server and worker processes were stopped
 
 
 def test_a_resumed_run_keeps_its_own_config_but_for_what_is_given_again(tmp_path: Path) -> None:
