@@ -189,26 +189,36 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     assert "Traceback" not in err
 
 
-def test_a_call_the_live_server_refuses_ends_the_run_in_one_line_with_a_checkpoint_to_go_on_from(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("fault", ["refused", "server gone"])
+def test_a_publish_that_fails_ends_the_run_in_one_line_with_a_checkpoint_to_go_on_from(
+    fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A trainer's call that the server refuses while it runs on (here a publish of a version it
-    already serves: FAILED_PRECONDITION) ends ``edgerl train`` with exit code 1 and the refusal
-    in one line, with the checkpoint to resume from, and stops the server and the workers."""
+    """A weight publish that fails ends ``edgerl train`` with exit code 1, one line and the
+    checkpoint to resume from, and stops the server and the workers. One the server refuses
+    while it runs on (a version it already serves: FAILED_PRECONDITION) is that refusal; one
+    that failed because the server process died just before is said as that death, not as the
+    UNAVAILABLE the call met."""
     from edgerl.launch.cli import main
     from edgerl.trainer.feed import publish_weights as real
 
     def publish(stub: Any, state: Any, version: int, **kwargs: Any) -> Any:
-        return real(stub, state, 0 if version == 3 else version, **kwargs)  # version 0 is served
+        if version == 3 and fault == "refused":
+            version = 0  # version 0 is served
+        elif version == 3:
+            (server,) = [c for c in _spawned(os.getpid()) if _listens(c)]
+            os.kill(server, signal.SIGKILL)
+        return real(stub, state, version, **kwargs)
 
     monkeypatch.setattr("edgerl.trainer.trainer.publish_weights", publish)
     run_dir = tmp_path / "run"
     assert main(["train", "--steps", "10000000", "--run-dir", str(run_dir)]) == 1
     said = capsys.readouterr().err.splitlines()[-1]
-    assert said == (
-        "edgerl: error: FAILED_PRECONDITION: version: must be greater than the served version 2, got 0"
-        f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
-    )
+    failure = {
+        "refused": "FAILED_PRECONDITION: version: must be greater than the served version 2, got 0",
+        "server gone": "the edge server process ended (killed by SIGKILL)",
+    }[fault]
+    hint = f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
+    assert said == f"edgerl: error: {failure}{hint}"
     assert [m["charts/policy_version"] for m in _metrics(run_dir)] == [1, 2]
     assert (run_dir / "checkpoints" / "latest.pt").exists()
     assert _spawned(os.getpid()) == []  # its server and worker processes were stopped
