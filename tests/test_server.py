@@ -663,17 +663,31 @@ def test_full_queue_yields_resource_exhausted() -> None:
 
 
 def test_graceful_shutdown_finishes_in_flight_and_refuses_new_work() -> None:
+    """In-flight work is answered, new work gets UNAVAILABLE, and from the start of the shutdown
+    the health service tells load balancers NOT_SERVING, for the server and each service."""
+
     async def main() -> None:
         slow = EchoPolicy(OBS, ACT, delay_s=0.4)
         server = EdgeServer(slow, ServerConfig(port=0, max_delay_us=0, grace_s=5))
         await server.start()
         address = f"127.0.0.1:{server.port}"
-        async with EdgeClient(address) as client:
+        async with EdgeClient(address) as client, grpc.aio.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service: str) -> int:
+                answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                return int(answer.status)
+
+            assert [await status(s) for s in ("", SERVICE_NAME)] == [
+                health_pb2.HealthCheckResponse.SERVING
+            ] * 2
             stream = await _healthy_stream(client, "inflight")
             await stream.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
             await asyncio.sleep(0.1)  # the batch is computing
             stopping = asyncio.ensure_future(server.stop())
             await asyncio.sleep(0.05)
+            not_serving = [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+            assert [await status(s) for s in ("", SERVICE_NAME)] == not_serving  # while the batch computes
             ans = await stream.recv()  # in-flight work finishes
             assert ans.actions.shape == (4, ACT)
             await stream.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
