@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -77,11 +78,12 @@ class LocalActServer:
         """Bind the socket (replacing a stale one left at ``path``) and start accepting.
 
         Raises:
-            OSError: ``path`` exists and is no socket, or cannot be bound.
+            OSError: ``path`` exists and is no socket (``EEXIST``), or cannot be bound; its
+                ``strerror`` says why.
         """
         with contextlib.suppress(FileNotFoundError):
             if not _is_socket(self.path):
-                raise OSError(f"local socket {self.path}: exists and is not a socket")
+                raise OSError(errno.EEXIST, "exists and is not a socket", self.path)
             os.unlink(self.path)  # a server that died left it; binding fails while it exists
         loop = asyncio.get_running_loop()
         old_mask = os.umask(0o177)  # the socket is created 0600: this user's processes only

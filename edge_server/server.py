@@ -225,7 +225,9 @@ class EdgeServer:
                 try:  # before the port: a gRPC server that never started cannot release its port
                     await self.local.start()
                 except OSError as exc:
-                    raise BindError(f"could not bind the local Act socket: {exc}") from exc
+                    raise BindError(
+                        f"could not bind the local Act socket {self.local.path}: {exc.strerror or exc}"
+                    ) from exc
             self.port = self._bind(server)
         except BaseException:  # nothing is served: release the socket and the inference threads
             if self.local is not None:

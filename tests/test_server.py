@@ -777,9 +777,22 @@ def test_a_port_or_socket_that_cannot_be_bound_is_a_bind_error_and_the_server_ho
             not_a_socket = tmp_path / "plain-file"
             not_a_socket.write_text("the user's")
             third = EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=0, local_socket=str(not_a_socket)))
-            with pytest.raises(BindError, match=r"local Act socket: .*exists and is not a socket"):
+            with pytest.raises(BindError) as refused:
                 await third.start()
+            assert (
+                str(refused.value)
+                == f"could not bind the local Act socket {not_a_socket}: exists and is not a socket"
+            )
             assert not_a_socket.read_text() == "the user's"  # left as it was
+            nowhere = tmp_path / "no-such-dir" / "act.sock"
+            with pytest.raises(BindError) as refused:
+                await EdgeServer(
+                    EchoPolicy(OBS, ACT), ServerConfig(port=0, local_socket=str(nowhere))
+                ).start()
+            assert (
+                str(refused.value)
+                == f"could not bind the local Act socket {nowhere}: No such file or directory"
+            )
             # a socket bound before the port fails is removed again
             sock = tmp_path / "act.sock"
             fourth = EdgeServer(EchoPolicy(OBS, ACT), ServerConfig(port=first.port, local_socket=str(sock)))
