@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,3 +69,30 @@ def test_generated_code_is_up_to_date() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_stale_generated_code_is_found_and_regenerated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--check`` fails on a copy of the generated code that one edit made stale, naming the
+    file and its diff, and writes nothing; the plain command rewrites it, after which the check
+    passes."""
+    import shutil
+
+    from edgerl.proto import generate
+
+    checked_in, out = generate.OUTPUT_DIR, tmp_path / "v1"
+    shutil.copytree(checked_in, out)
+    stub = out / "edge_pb2.pyi"
+    stub.write_text(stub.read_text().replace("class ActRequest(", "class ActRequestEdited("))
+    edited = stub.read_text()
+    monkeypatch.setattr(generate, "OUTPUT_DIR", out)
+    assert generate.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "-class ActRequestEdited(" in err and "+class ActRequest(" in err
+    assert err.splitlines()[-1] == "stale generated code: edge_pb2.pyi; run `python -m edgerl.proto.generate`"
+    assert stub.read_text() == edited
+    assert generate.main([]) == 0
+    assert capsys.readouterr().out == f"wrote 1 file(s) under {out}\n"
+    assert stub.read_text() == (checked_in / "edge_pb2.pyi").read_text()
+    assert generate.main(["--check"]) == 0
