@@ -97,7 +97,8 @@ class ServerConfig:
                 f"and {self.keepalive_timeout_s}"
             )
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together")
+            given = "tls_cert" if self.tls_cert else "tls_key"
+            raise ValueError(f"tls_cert and tls_key go together (--tls-cert, --tls-key), got only {given}")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
 

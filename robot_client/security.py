@@ -40,9 +40,10 @@ class ClientSecurity:
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
-            raise ValueError("tls cert and key go together")
+            given = "cert" if self.cert else "key"
+            raise ValueError(f"tls cert and key go together (--tls-cert, --tls-key), got only the {given}")
         if self.cert and not self.ca:
-            raise ValueError("a client certificate (mutual TLS) needs the server's CA (ca) as well")
+            raise ValueError("a client certificate (mutual TLS) needs the server's CA (ca, --tls-ca) as well")
 
     @property
     def tls(self) -> bool:

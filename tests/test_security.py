@@ -224,12 +224,25 @@ def test_a_missing_tokens_file_or_an_empty_token_table_is_refused(tmp_path: Path
 
 
 def test_tls_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="tls_cert and tls_key"):
-        ServerConfig(tls_cert="a.pem")
-    with pytest.raises(ValueError, match="mutual TLS"):
+    """Settings that cannot go together are refused naming the fields and their flags."""
+    for settings, said in [
+        ({"tls_cert": "a.pem"}, "got only tls_cert"),
+        ({"tls_key": "a.key"}, "got only tls_key"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            ServerConfig(**settings)  # type: ignore[arg-type]
+        assert str(refused.value) == f"tls_cert and tls_key go together (--tls-cert, --tls-key), {said}"
+    with pytest.raises(ValueError, match=r"^tls_client_ca \(mutual TLS\) needs tls_cert and tls_key$"):
         ServerConfig(tls_client_ca="ca.pem")
-    with pytest.raises(ValueError, match="needs the server's CA"):
+    for client, said in [({"cert": "c.pem"}, "the cert"), ({"key": "c.key"}, "the key")]:
+        with pytest.raises(ValueError) as refused:
+            ClientSecurity(**client)
+        assert str(refused.value) == f"tls cert and key go together (--tls-cert, --tls-key), got only {said}"
+    with pytest.raises(ValueError) as refused:
         ClientSecurity(cert="c.pem", key="c.key")
+    assert (
+        str(refused.value) == "a client certificate (mutual TLS) needs the server's CA (ca, --tls-ca) as well"
+    )
 
 
 def test_missing_tls_file_is_named(tmp_path: Path) -> None:
