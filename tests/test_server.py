@@ -416,36 +416,52 @@ def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_other
     assert len(failed) == 1 and failed[0].exc_info is not None  # logged with its traceback
 
 
-#: A unary RPC: where a fault goes into it, the request that reaches that place, and what its
-#: answer holds once the fault is gone.
+def _new_weights() -> pb.PublishWeightsRequest:
+    return weights_request(build_policy("mlp", OBS, ACT, seed=2).state_dict(), 1)
+
+
+#: A unary call: its RPC, where a fault goes into it (a module's function or a class's method),
+#: the request that reaches that place, and what its answer holds once the fault is gone.
 UNARY_FAULTS: dict[str, tuple[str, str, Callable[[], Any], Callable[[Any], bool]]] = {
     "ActUnary": (
-        "service",
-        "check_obs",
+        "ActUnary",
+        "service.check_obs",
         lambda: pb.ActUnaryRequest(obs=tensors.float32(np.zeros((2, OBS), np.float32))),
         lambda r: list(r.actions.shape) == [2, ACT],
     ),
-    "Describe": ("service", "_box", pb.DescribeRequest, lambda r: list(r.observation_space.shape) == [OBS]),
-    "Stats": ("service", "percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
+    "Describe": (
+        "Describe",
+        "service._box",
+        pb.DescribeRequest,
+        lambda r: list(r.observation_space.shape) == [OBS],
+    ),
+    "Stats": ("Stats", "service.percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
     "PublishWeights": (
-        "learner",
-        "decode_weights",
-        lambda: weights_request(build_policy("mlp", OBS, ACT, seed=2).state_dict(), 1),
+        "PublishWeights",
+        "learner.decode_weights",
+        _new_weights,
+        lambda r: (r.applied, r.policy_version) == (True, 1),
+    ),
+    "PublishWeights swap": (  # on the inference thread, between two batches
+        "PublishWeights",
+        "TorchPolicyBackend.load_weights",
+        _new_weights,
         lambda r: (r.applied, r.policy_version) == (True, 1),
     ),
 }
 
 
-@pytest.mark.parametrize("rpc", list(UNARY_FAULTS))
+@pytest.mark.parametrize("case", list(UNARY_FAULTS))
 def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_server_goes_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, rpc: str
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
     """A unary call that meets an exception the server does not expect ends with INTERNAL
     naming it (once: UNKNOWN, gRPC's "Unexpected <class ...>"), logged with the call's name and
     its traceback; the streams go on, and the same call is answered once the fault is gone."""
     from edgerl.edge_server import learner, service
 
-    module, name, request, answered = UNARY_FAULTS[rpc]
+    rpc, where, request, answered = UNARY_FAULTS[case]
+    owner, name = where.split(".")
     stub_of = pb_grpc.LearnerStub if rpc == "PublishWeights" else pb_grpc.EdgePolicyStub
 
     async def main() -> None:
@@ -455,9 +471,12 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
                 await _round_trip(healthy)
                 call = getattr(stub_of(ch), rpc)
                 with monkeypatch.context() as patch:
-                    inject_fault(
-                        {"service": service, "learner": learner}[module], name, lambda *_: True, patch
-                    )
+                    owners = {
+                        "service": service,
+                        "learner": learner,
+                        "TorchPolicyBackend": TorchPolicyBackend,
+                    }
+                    inject_fault(owners[owner], name, lambda *_: True, patch)
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(request(), timeout=10)
                     await _round_trip(healthy)  # the streams are served while the fault stays
@@ -468,7 +487,8 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
                 assert answered(await call(request(), timeout=10))
                 await healthy.close()
 
-    with caplog.at_level(logging.ERROR, logger=f"edgerl.edge_server.{module}"):
+    logger = "learner" if rpc == "PublishWeights" else "service"
+    with caplog.at_level(logging.ERROR, logger=f"edgerl.edge_server.{logger}"):
         run(main())
     failed = [r for r in caplog.records if r.getMessage() == f"{rpc} call failed"]
     assert len(failed) == 1 and failed[0].exc_info is not None
