@@ -37,14 +37,15 @@ def watch(
     s0 = fleet.total_steps()
     total = steps if steps > 0 else None
     interrupted = False
-    with tqdm(total=total, desc=desc, unit="step", unit_scale=True, dynamic_ncols=True) as bar:
+    # The bar counts the workers' steps from their first, as ``steps`` does: it ends full.
+    with tqdm(total=total, initial=s0, desc=desc, unit="step", unit_scale=True, dynamic_ncols=True) as bar:
         try:
             while True:
                 time.sleep(0.5)
                 now, done = time.perf_counter(), fleet.total_steps()
                 fleet.poll_episodes()
                 recent = fleet.episode_returns[-20:]
-                bar.update(done - s0 - bar.n)
+                bar.update(done - bar.n)
                 bar.set_postfix(
                     episodes=len(fleet.episode_returns),
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
@@ -59,9 +60,10 @@ def watch(
                     break
         except KeyboardInterrupt:
             interrupted = True
-    wall = time.perf_counter() - t0
-    fleet.stop()
-    made = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
+        wall = time.perf_counter() - t0
+        fleet.stop()
+        made = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
+        bar.update(made - bar.n)  # the steps made since the last look
     rets = fleet.episode_returns
     return {
         "env_steps": made,

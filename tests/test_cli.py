@@ -326,9 +326,11 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
 def test_a_rollout_of_one_env_runs_in_lockstep(tmp_path: Path) -> None:
     """One env cannot be split in two groups: by default the worker then runs one."""
     path = tmp_path / "rollout.json"
-    _edgerl("rollout --env InvertedPendulum-v5 --envs 1 --steps 300", path)
+    out = _edgerl("rollout --env InvertedPendulum-v5 --envs 1 --steps 300", path)
     summary = json.loads(path.read_text())
-    assert summary["env_steps"] >= 300
+    assert summary["env_steps"] == 300  # one env: the worker stops at its budget exactly
+    last_frame = out.stderr.split("\r")[-1]  # the progress bar, as it was left
+    assert " 300/300 " in last_frame and "100%" in last_frame, last_frame
     # one message per step, each of the single env: as many requests and rows as steps
     assert summary["server"]["rows"] == summary["server"]["requests"] >= summary["env_steps"]
 
