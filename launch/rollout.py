@@ -12,6 +12,12 @@ from tqdm import tqdm
 from edgerl.launch.processes import WorkerFleet
 
 
+def advance(bar: tqdm, steps: int) -> None:
+    """Move ``bar`` to ``steps``, no further than its total: a run that ends a batch or an env
+    group past its budget ends its bar full, where tqdm would drop the bar for a bare count."""
+    bar.update((steps if bar.total is None else min(steps, bar.total)) - bar.n)
+
+
 def watch(
     fleet: WorkerFleet,
     *,
@@ -45,7 +51,7 @@ def watch(
                 now, done = time.perf_counter(), fleet.total_steps()
                 fleet.poll_episodes()
                 recent = fleet.episode_returns[-20:]
-                bar.update(done - bar.n)
+                advance(bar, done)
                 bar.set_postfix(
                     episodes=len(fleet.episode_returns),
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
@@ -63,7 +69,7 @@ def watch(
         wall = time.perf_counter() - t0
         fleet.stop()
         made = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
-        bar.update(made - bar.n)  # the steps made since the last look
+        advance(bar, made)  # the steps made since the last look
     rets = fleet.episode_returns
     return {
         "env_steps": made,

@@ -41,6 +41,7 @@ from edgerl.launch.processes import (
     llm_model_dir,
     on_stop_signals,
 )
+from edgerl.launch.rollout import advance
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.config import TrainerConfig
@@ -339,7 +340,7 @@ def run_training(
             def on_update(scalars: dict[str, float]) -> None:
                 fleet.poll_episodes()
                 fleet.check()
-                bar.update(trainer.state.env_steps - bar.n)
+                advance(bar, trainer.state.env_steps)
                 recent = fleet.episode_returns[-20:]
                 bar.set_postfix(
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",

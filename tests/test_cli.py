@@ -329,8 +329,8 @@ def test_a_rollout_of_one_env_runs_in_lockstep(tmp_path: Path) -> None:
     out = _edgerl("rollout --env InvertedPendulum-v5 --envs 1 --steps 300", path)
     summary = json.loads(path.read_text())
     assert summary["env_steps"] == 300  # one env: the worker stops at its budget exactly
-    last_frame = out.stderr.split("\r")[-1]  # the progress bar, as it was left
-    assert " 300/300 " in last_frame and "100%" in last_frame, last_frame
+    frames = [f for f in out.stderr.splitlines() if f.startswith("InvertedPendulum-v5 x1:")]  # \r reads as \n
+    assert " 300/300 " in frames[-1] and "100%|" in frames[-1], frames[-1]  # the progress bar, as it was left
     # one message per step, each of the single env: as many requests and rows as steps
     assert summary["server"]["rows"] == summary["server"]["requests"] >= summary["env_steps"]
 

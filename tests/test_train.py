@@ -20,9 +20,14 @@ from tests.helpers import EDGERL, check_machine_block, child_pids
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
+    """Run ``edgerl train ARGS`` to its end; its summary. Its progress bar ends full (its last
+    batch may pass the step budget)."""
     out = tmp_path / f"{name}.json"
-    subprocess.run([*EDGERL, "train", *args, "--json", str(out)], check=True, timeout=900, text=True)
+    cmd = [*EDGERL, "train", *args, "--json", str(out)]
+    run = subprocess.run(cmd, check=True, timeout=900, text=True, stderr=subprocess.PIPE)
     summary: dict[str, Any] = json.loads(out.read_text())
+    frames = [f for f in run.stderr.splitlines() if f.startswith("train ")]  # text mode: \r reads as \n
+    assert frames and "100%|" in frames[-1], frames[-1:]
     return summary
 
 
