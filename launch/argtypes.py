@@ -1,6 +1,6 @@
-"""Numeric option types for the command line: a value out of range is refused as argparse
-refuses a malformed one, naming the option (``argument --envs: must be >= 1, got 0``) with exit
-status 2, before the command starts anything.
+"""Option types for the command line: a number out of range, or a file that could not be written
+at the end, is refused as argparse refuses a malformed value, naming the option (``argument
+--envs: must be >= 1, got 0``) with exit status 2, before the command starts anything.
 
 The configs behind the options check their fields as well, for callers of the Python API; these
 types only make the command line's errors name the option and come before any process starts.
@@ -9,6 +9,7 @@ types only make the command line's errors name the option and come before any pr
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,3 +49,17 @@ PROBABILITY = bounded(float, 0.0, 1.0)
 """A float in [0, 1]."""
 PORT = bounded(int, 0, 65535)
 """A TCP port; 0 picks a free one."""
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: the path of a file the command writes when it ends (``--json``,
+    ``--out``), in a folder that exists and that this user may write in, and not a folder itself:
+    refused at once, not after a run of minutes or hours."""
+    folder = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no folder {folder} to write {os.path.basename(text)} in")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {folder} (permission denied)")
+    return text

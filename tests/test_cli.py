@@ -209,6 +209,30 @@ def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -
         ("robot --hz nan", "argument --hz: must be > 0, got nan"),
         ("robot --drop 1.5", "argument --drop: must be in [0, 1], got 1.5"),
         ("train --envs 0", "argument --envs: must be >= 1, got 0"),
+        # files written at the end: refused before a run of minutes or hours, not after it
+        (
+            "train --json /no-such-dir/summary.json",
+            "argument --json: no folder /no-such-dir to write summary.json in",
+        ),
+        ("rollout --json /tmp", "argument --json: /tmp is a folder, not a file"),
+        (
+            "bench learn --json /no-such-dir/l.json",
+            "argument --json: no folder /no-such-dir to write l.json in",
+        ),
+        (
+            "bench throughput --json /no-such-dir/t.json",
+            "argument --json: no folder /no-such-dir to write t.json in",
+        ),
+        (
+            "bench robot --json /no-such-dir/r.json",
+            "argument --json: no folder /no-such-dir to write r.json in",
+        ),
+        ("robot --json /no-such-dir/r.json", "argument --json: no folder /no-such-dir to write r.json in"),
+        ("describe --json /no-such-dir/d.json", "argument --json: no folder /no-such-dir to write d.json in"),
+        (
+            "bag import some-bag --out /no-such-dir/t.pb",
+            "argument --out: no folder /no-such-dir to write t.pb in",
+        ),
     ],
 )
 def test_a_number_out_of_range_is_refused_naming_its_option_before_anything_starts(
