@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -213,3 +215,41 @@ def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:
     path, _ = session
     with pytest.raises(FileExistsError):
         BagRecorder(path, [RobotTopics("r", ("a",), 1)])
+
+
+def test_ticks_a_stalled_disk_cannot_take_are_dropped_counted_and_said(
+    session: tuple[Path, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The control thread never waits on the disk: with the writer stalled (a disk that hangs),
+    ticks past ``max_queued`` waiting are dropped and counted, the bag says how many when it
+    closes, and the ticks kept are in it."""
+    _, seen = session
+    robot = MujocoRobot(ENV, hz=50.0, seed=0, name="pendulum-0")
+    topics = [RobotTopics(robot.name, robot.joint_names, robot.action_low.size)]
+    disk = threading.Event()
+    write = Writer.write
+
+    def stalled(self: Writer, *args: Any, **kwargs: Any) -> None:
+        disk.wait(30.0)
+        write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Writer, "write", stalled)
+    path = tmp_path / "stalled"
+    recorder = BagRecorder(path, topics, max_queued=3)
+    start = time.monotonic()
+    for tick, reading, was_reset in seen[0][:10]:
+        recorder.record(0, tick, reading, was_reset)
+    recording_s = time.monotonic() - start
+    disk.set()
+    with caplog.at_level(logging.WARNING, logger="edgerl.robot_client.bags"):
+        recorder.close()
+    assert recording_s < 5.0  # not the 30 s the stalled write holds its thread
+    # the writer took the first tick, or not yet: 3 or 4 kept
+    assert (recorder.written, recorder.dropped) in ((3, 7), (4, 6))
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"bag {path}: {recorder.dropped} ticks dropped (writer too slow)"]
+    kept = [t.step.tick for t in read_bag(path)[robot.name]]
+    assert kept == [t.index for t, _, _ in seen[0][: recorder.written]]
