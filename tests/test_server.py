@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from edgerl.edge_server import learner, service
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import SERVICE_NAME, BindError, EdgeServer, ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
@@ -386,7 +387,6 @@ def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_other
     """An exception the server does not expect while it reads a stream (once: the stream waited
     for its deadline) or answers it (once: UNKNOWN, gRPC's word for an exception it was not
     given) ends that stream with INTERNAL, logged with its traceback; the others are served."""
-    from edgerl.edge_server import service
     from edgerl.edge_server.transitions import TransitionStore
 
     owner = service if where == "check_step" else TransitionStore
@@ -422,29 +422,33 @@ def _new_weights() -> pb.PublishWeightsRequest:
 
 #: A unary call: its RPC, where a fault goes into it (a module's function or a class's method),
 #: the request that reaches that place, and what its answer holds once the fault is gone.
-UNARY_FAULTS: dict[str, tuple[str, str, Callable[[], Any], Callable[[Any], bool]]] = {
+UNARY_FAULTS: dict[str, tuple[str, Any, str, Callable[[], Any], Callable[[Any], bool]]] = {
     "ActUnary": (
         "ActUnary",
-        "service.check_obs",
+        service,
+        "check_obs",
         lambda: pb.ActUnaryRequest(obs=tensors.float32(np.zeros((2, OBS), np.float32))),
         lambda r: list(r.actions.shape) == [2, ACT],
     ),
     "Describe": (
         "Describe",
-        "service._box",
+        service,
+        "_box",
         pb.DescribeRequest,
         lambda r: list(r.observation_space.shape) == [OBS],
     ),
-    "Stats": ("Stats", "service.percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
+    "Stats": ("Stats", service, "percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
     "PublishWeights": (
         "PublishWeights",
-        "learner.decode_weights",
+        learner,
+        "decode_weights",
         _new_weights,
         lambda r: (r.applied, r.policy_version) == (True, 1),
     ),
     "PublishWeights swap": (  # on the inference thread, between two batches
         "PublishWeights",
-        "TorchPolicyBackend.load_weights",
+        TorchPolicyBackend,
+        "load_weights",
         _new_weights,
         lambda r: (r.applied, r.policy_version) == (True, 1),
     ),
@@ -458,11 +462,9 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
     """A unary call that meets an exception the server does not expect ends with INTERNAL
     naming it (once: UNKNOWN, gRPC's "Unexpected <class ...>"), logged with the call's name and
     its traceback; the streams go on, and the same call is answered once the fault is gone."""
-    from edgerl.edge_server import learner, service
-
-    rpc, where, request, answered = UNARY_FAULTS[case]
-    owner, name = where.split(".")
-    stub_of = pb_grpc.LearnerStub if rpc == "PublishWeights" else pb_grpc.EdgePolicyStub
+    rpc, owner, name, request, answered = UNARY_FAULTS[case]
+    servicer = learner if rpc == "PublishWeights" else service  # the module whose logger says it
+    stub_of = pb_grpc.LearnerStub if servicer is learner else pb_grpc.EdgePolicyStub
 
     async def main() -> None:
         async with running_server(_torch_backend(), learner=TransitionConfig()) as server:
@@ -471,12 +473,7 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
                 await _round_trip(healthy)
                 call = getattr(stub_of(ch), rpc)
                 with monkeypatch.context() as patch:
-                    owners = {
-                        "service": service,
-                        "learner": learner,
-                        "TorchPolicyBackend": TorchPolicyBackend,
-                    }
-                    inject_fault(owners[owner], name, lambda *_: True, patch)
+                    inject_fault(owner, name, lambda *_: True, patch)
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call(request(), timeout=10)
                     await _round_trip(healthy)  # the streams are served while the fault stays
@@ -487,8 +484,7 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
                 assert answered(await call(request(), timeout=10))
                 await healthy.close()
 
-    logger = "learner" if rpc == "PublishWeights" else "service"
-    with caplog.at_level(logging.ERROR, logger=f"edgerl.edge_server.{logger}"):
+    with caplog.at_level(logging.ERROR, logger=servicer.__name__):
         run(main())
     failed = [r for r in caplog.records if r.getMessage() == f"{rpc} call failed"]
     assert len(failed) == 1 and failed[0].exc_info is not None
