@@ -63,3 +63,9 @@ def output_file(text: str) -> str:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write in {folder} (permission denied)")
     return text
+
+
+def add_json_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--json PATH``, the file a command writes its result to, checked by :func:`output_file`
+    when the command line is read."""
+    parser.add_argument("--json", metavar="PATH", type=output_file, help=help)

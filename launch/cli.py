@@ -17,7 +17,15 @@ from typing import Any, TypeVar
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.launch import jsonout
 from edgerl.launch import robot as robot_cli
-from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, PORT, POSITIVE, output_file
+from edgerl.launch.argtypes import (
+    COUNT,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    PORT,
+    POSITIVE,
+    add_json_option,
+    output_file,
+)
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
     NETWORK_PROCESS_BELOW,
@@ -378,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the workers reach the server: its gRPC port, or its local Act socket (no gRPC; "
         "faster on one machine, see edgerl bench throughput's async_local)",
     )
-    p.add_argument("--json", metavar="PATH", type=output_file, help="also write the summary as JSON")
+    add_json_option(p, "also write the summary as JSON")
     _add_common(p)
 
     bench = sub.add_parser("bench", formatter_class=_FMT, help="benchmarks (JSON output)")
@@ -416,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULT_SERVER.max_delay_us,
         help="edge server batching delay (microseconds)",
     )
-    p.add_argument("--json", metavar="PATH", type=output_file, help="write the result as JSON")
+    add_json_option(p, "write the result as JSON")
     _add_common(p)
 
     p = bsub.add_parser(
@@ -476,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     robot_cli.add_fault_arguments(p)
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seeds the robots and the policy")
-    p.add_argument("--json", metavar="PATH", type=output_file, help="write the result as JSON")
+    add_json_option(p, "write the result as JSON")
     _add_common(p)
 
     p = bsub.add_parser(
@@ -491,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sync", action="store_true", help="also run every seed in synchronous mode, side by side"
     )
-    p.add_argument("--json", metavar="PATH", type=output_file, help="write the result as JSON")
+    add_json_option(p, "write the result as JSON")
     _add_common(p)
 
     p = sub.add_parser(
@@ -525,9 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout-s", type=POSITIVE, default=5.0, help="how long to wait for the server to answer (s)"
     )
-    p.add_argument(
-        "--json", metavar="PATH", type=output_file, help="also write the result as JSON to this file"
-    )
+    add_json_option(p, "also write the result as JSON to this file")
     add_client_security(p)
     _add_common(p)
 
@@ -585,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --run-dir from its last checkpoint, with its own settings (its "
         "config.json; options given again win, e.g. a larger --steps)",
     )
-    p.add_argument("--json", metavar="PATH", type=output_file, help="also write the summary as JSON")
+    add_json_option(p, "also write the summary as JSON")
     _add_common(p)
     return parser
 

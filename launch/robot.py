@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from edgerl.launch import jsonout
-from edgerl.launch.argtypes import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, PROBABILITY, output_file
+from edgerl.launch.argtypes import (
+    COUNT,
+    NON_NEGATIVE,
+    NON_NEGATIVE_INT,
+    POSITIVE,
+    PROBABILITY,
+    add_json_option,
+)
 from edgerl.launch.processes import on_signals, on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
@@ -134,7 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
     )
-    p.add_argument("--json", metavar="PATH", type=output_file, help="write the final statistics as JSON")
+    add_json_option(p, "write the final statistics as JSON")
 
 
 def _parse_kwargs(items: list[str]) -> dict[str, Any]:
