@@ -490,6 +490,19 @@ def test_a_fault_of_the_server_in_a_unary_call_ends_it_with_internal_and_the_ser
     assert len(failed) == 1 and failed[0].exc_info is not None
 
 
+def test_every_unary_rpc_of_the_api_has_a_fault_case() -> None:
+    """A unary RPC added to the proto must join :data:`UNARY_FAULTS`, so that a test proves its
+    handler answers its own faults with INTERNAL (``answers_own_faults``), as the others do."""
+    unary = {
+        method.name
+        for api in pb.DESCRIPTOR.services_by_name.values()
+        for method in api.methods
+        if not (method.client_streaming or method.server_streaming)
+    }
+    covered = {rpc for rpc, *_ in UNARY_FAULTS.values()}
+    assert unary == covered, f"unary RPCs without a fault case: {sorted(unary - covered)}"
+
+
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     """A robot's link that dies without closing: with keepalive (1 s, 1 s to answer) the server
     ends its stream within seconds, also after an idle spell whose pings were answered (gRPC
