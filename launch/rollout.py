@@ -7,15 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tqdm import tqdm
-
 from edgerl.launch.processes import WorkerFleet
-
-
-def advance(bar: tqdm, steps: int) -> None:
-    """Move ``bar`` to ``steps``, no further than its total: a run that ends a batch or an env
-    group past its budget ends its bar full, where tqdm would drop the bar for a bare count."""
-    bar.update((steps if bar.total is None else min(steps, bar.total)) - bar.n)
+from edgerl.launch.progress import advance, step_bar
 
 
 def watch(
@@ -44,7 +37,7 @@ def watch(
     total = steps if steps > 0 else None
     interrupted = False
     # The bar counts the workers' steps from their first, as ``steps`` does: it ends full.
-    with tqdm(total=total, initial=s0, desc=desc, unit="step", unit_scale=True, dynamic_ncols=True) as bar:
+    with step_bar(desc, total, s0) as bar:
         try:
             while True:
                 time.sleep(0.5)

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch import jsonout
@@ -41,7 +39,7 @@ from edgerl.launch.processes import (
     llm_model_dir,
     on_stop_signals,
 )
-from edgerl.launch.rollout import advance
+from edgerl.launch.progress import advance, step_bar
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.config import TrainerConfig
@@ -327,15 +325,7 @@ def run_training(
             # control) before the others connect; they step once the trainer takes a batch.
             fleet.wait_started(every=False, should_stop=lambda: stop.set)
             t0 = time.monotonic()
-            bar = tqdm(
-                total=cfg.steps,
-                initial=start_steps,
-                desc=f"train {cfg.env}",
-                unit="step",
-                unit_scale=True,
-                dynamic_ncols=True,
-                disable=not progress,
-            )
+            bar = step_bar(f"train {cfg.env}", cfg.steps, start_steps, disable=not progress)
 
             def on_update(scalars: dict[str, float]) -> None:
                 fleet.poll_episodes()

@@ -18,6 +18,7 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.processes import fleet_groups
+from edgerl.launch.progress import advance, step_bar
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
@@ -345,6 +346,22 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
     assert summary["server"]["requests"] > 100
     assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
+
+
+def test_a_step_bar_ends_full_at_its_total_and_counts_on_without_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run whose last batch goes past its budget ends its bar at 100 %, not as a bare count
+    (tqdm drops the bar when ``n`` passes ``total``); a bar without total counts every step."""
+    with step_bar("run", 100, 10) as bar:
+        advance(bar, 64)
+        assert bar.n == 64
+        advance(bar, 128)
+        assert bar.n == 100
+    assert "100/100" in capsys.readouterr().err.split("\r")[-1]
+    with step_bar("run", None) as bar:
+        advance(bar, 128)
+        assert bar.n == 128
 
 
 def test_a_rollout_of_one_env_runs_in_lockstep(tmp_path: Path) -> None:
