@@ -41,14 +41,25 @@ from tests.helpers import ServerThread
 ENV = "InvertedPendulum-v5"  # an untrained policy drops the pole within a second: resets happen
 
 
+def _topics(robot: MujocoRobot) -> RobotTopics:
+    return RobotTopics(robot.name, robot.joint_names, robot.action_low.size)
+
+
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[tuple[Tick, Any, bool]]]]:
+def robots() -> list[MujocoRobot]:
+    """The two MuJoCo robots :func:`session` drives (and closes: their names stay to read)."""
+    return [MujocoRobot(ENV, hz=50.0, seed=i, name=f"pendulum-{i}") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def session(
+    tmp_path_factory: pytest.TempPathFactory, robots: list[MujocoRobot]
+) -> tuple[Path, list[list[tuple[Tick, Any, bool]]]]:
     """Two MuJoCo robots driven for 2 s against a real server, every tick recorded."""
     spec = env_spec(ENV)
     net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
-    robots = [MujocoRobot(ENV, hz=50.0, seed=i, name=f"pendulum-{i}") for i in range(2)]
     path = tmp_path_factory.mktemp("bags") / "session"
-    recorder = BagRecorder(path, [RobotTopics(r.name, r.joint_names, r.action_low.size) for r in robots])
+    recorder = BagRecorder(path, [_topics(r) for r in robots])
     seen: list[list[tuple[Tick, Any, bool]]] = [[], []]
 
     def on_tick(i: int, tick: Tick, reading: Any, was_reset: bool) -> None:
@@ -219,6 +230,7 @@ def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:
 
 def test_ticks_a_stalled_disk_cannot_take_are_dropped_counted_and_said(
     session: tuple[Path, Any],
+    robots: list[MujocoRobot],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -227,8 +239,7 @@ def test_ticks_a_stalled_disk_cannot_take_are_dropped_counted_and_said(
     ticks past ``max_queued`` waiting are dropped and counted, the bag says how many when it
     closes, and the ticks kept are in it."""
     _, seen = session
-    robot = MujocoRobot(ENV, hz=50.0, seed=0, name="pendulum-0")
-    topics = [RobotTopics(robot.name, robot.joint_names, robot.action_low.size)]
+    robot = robots[0]  # the one whose ticks ``seen[0]`` holds
     disk = threading.Event()
     write = Writer.write
 
@@ -238,7 +249,7 @@ def test_ticks_a_stalled_disk_cannot_take_are_dropped_counted_and_said(
 
     monkeypatch.setattr(Writer, "write", stalled)
     path = tmp_path / "stalled"
-    recorder = BagRecorder(path, topics, max_queued=3)
+    recorder = BagRecorder(path, [_topics(robot)], max_queued=3)
     start = time.monotonic()
     for tick, reading, was_reset in seen[0][:10]:
         recorder.record(0, tick, reading, was_reset)
