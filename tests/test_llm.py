@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -293,16 +294,32 @@ class _EngineThreadKilled(BaseException):
     """Not an Exception: nothing inside the engine loop catches it."""
 
 
-def test_an_engine_thread_that_dies_fails_its_callers_instead_of_hanging(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_an_engine_step_that_fails_fails_its_batches_and_a_thread_that_dies_fails_its_callers(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """An engine step that raises fails the batches it ran, and is logged; the engine serves the
+    next one. An engine thread that dies fails every caller, also those that wait, none hangs."""
     backend = VLLMPolicyBackend(model_dir, (OBS_DIM,), LOW, HIGH, seed=2)
     assert backend.infer(_obs(2, 10)).actions.shape == (2, 2)
+    engine, step = backend.llm.llm_engine, backend.llm.llm_engine.step
+
+    def fails_once() -> Any:
+        monkeypatch.setattr(engine, "step", step)  # the step after this one is the engine's
+        raise RuntimeError("injected step fault")
+
+    monkeypatch.setattr(engine, "step", fails_once)
+    with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.llm_policy"):
+        with pytest.raises(RuntimeError, match="injected step fault"):
+            backend.infer(_obs(2, 15))
+    ours = [r for r in caplog.records if r.name == "edgerl.edge_server.llm_policy"]
+    assert [r.getMessage() for r in ours] == ["vLLM engine step failed"] and ours[0].exc_info
+    assert not engine.has_unfinished_requests()  # the failed batch's sequences were aborted
+    assert backend.infer(_obs(3, 16)).actions.shape == (3, 2)  # the engine still serves
 
     def killed() -> None:
         raise _EngineThreadKilled("injected")
 
-    monkeypatch.setattr(backend.llm.llm_engine, "step", killed)  # the next engine step kills the thread
+    monkeypatch.setattr(engine, "step", killed)  # the next engine step kills the thread
     pool = concurrent.futures.ThreadPoolExecutor(3)
     calls = [pool.submit(backend.infer, _obs(2, seed)) for seed in (11, 12, 13)]
     pool.shutdown(wait=False)  # a caller left hanging must not hang the test too
