@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -166,7 +167,9 @@ def test_llm_actor_critic_entropy_value_head_and_served_names(model_dir: Path) -
     assert served_weights(policy.state_dict()).keys() == policy.served_state().keys()
 
 
-def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -> None:
+def test_weight_publish_swaps_the_running_engine(
+    server: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     codec = server.backend.codec
     with torch.no_grad():
@@ -191,6 +194,20 @@ def test_weight_publish_swaps_the_running_engine(server: Any, model_dir: Path) -
         # a publish without the right tensors is refused and leaves version 1 in place
         with pytest.raises(errors.InvalidArgumentError, match="missing"):
             publish_weights(pb_grpc.LearnerStub(channel), {"lm_head.weight": head.detach().numpy()}, 2)
+        # an engine that fails to reload (on its own thread) fails the publish, not the server
+        with monkeypatch.context() as patch:
+
+            def reload_fails(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("injected reload fault")
+
+            patch.setattr(server.backend.llm, "collective_rpc", reload_fails)
+            with pytest.raises(errors.RpcError) as failed:
+                publish_weights(pb_grpc.LearnerStub(channel), model.state_dict(), 2)
+        assert failed.value.code == grpc.StatusCode.INTERNAL
+        assert str(failed.value).endswith(
+            "the server failed on this call: RuntimeError: injected reload fault"
+        )
+        assert asyncio.run(_act(server.address, _obs(4, 3))).policy_version == 1
     finally:
         channel.close()
     assert server.backend.version == 1
