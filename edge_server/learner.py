@@ -13,7 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
-from edgerl.edge_server.service import answers_own_faults, internal_failure
+from edgerl.edge_server.service import answers_own_faults, own_fault
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -85,8 +85,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad_ack[0])
             if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
                 # a fault of the server's own: said, where the stream once ended as if all was well
-                log.error("trainer stream failed (generation %d)", generation, exc_info=exc)
-                await context.abort(*internal_failure(exc))
+                await context.abort(*own_fault(log, f"trainer stream of generation {generation}", exc))
         finally:
             reader.cancel()
             log.info("trainer stream ended (generation %d)", generation)

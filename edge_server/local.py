@@ -45,7 +45,7 @@ from edgerl.edge_server.service import (
     STEP_REFUSALS,
     EdgePolicyServicer,
     answer_failure,
-    internal_failure,
+    own_fault,
     step_refusal,
 )
 from edgerl.edge_server.transitions import StreamHandle
@@ -253,8 +253,8 @@ class _LocalStream(asyncio.Protocol):
 
     def _failed(self, exc: Exception) -> None:
         """A fault of the server's own: the stream is refused as over gRPC, not left hanging."""
-        log.error("local stream %s failed", self._spec.session_id if self._spec else "?", exc_info=exc)
-        self._refuse(*internal_failure(exc))
+        name = self._spec.session_id if self._spec is not None else "?"
+        self._refuse(*own_fault(log, f"local stream {name}", exc))
 
     def _answer_ready(self, _: asyncio.Future[BatchResult]) -> None:
         try:

@@ -118,10 +118,14 @@ def answer_failure(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"policy forward pass failed: {exc}"
 
 
-def internal_failure(exc: BaseException, on: str = "stream") -> tuple[grpc.StatusCode, str]:
-    """The status and message that end a stream (or a unary ``call``) on a fault of the
-    server's own (not of the client's input or of the forward pass): INTERNAL, naming the
-    exception."""
+def own_fault(
+    logger: logging.Logger, what: str, exc: BaseException, on: str = "stream"
+) -> tuple[grpc.StatusCode, str]:
+    """Log a fault of the server's own (not of the client's input or of the forward pass) as
+    ``WHAT failed``, with its traceback, and return the status and message that end the stream
+    (or the unary ``call``) it met: INTERNAL, naming the exception. Every place that meets one
+    goes through here, so the caller and the log always read the same."""
+    logger.error("%s failed", what, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"the server failed on this {on}: {type(exc).__name__}: {exc}"
 
 
@@ -129,7 +133,7 @@ def answers_own_faults(
     handler: Callable[[_Servicer, _Request, grpc.aio.ServicerContext], Awaitable[_Reply]],
 ) -> Callable[[_Servicer, _Request, grpc.aio.ServicerContext], Awaitable[_Reply]]:
     """A unary RPC's handler whose own faults end the call with INTERNAL, naming the exception
-    (:func:`internal_failure`), and are logged with their traceback, as a stream's are. Left to
+    (:func:`own_fault`), and are logged with their traceback, as a stream's are. Left to
     gRPC, the caller would read UNKNOWN, ``Unexpected <class '...'>``, and the log would not say
     which call failed. A refusal the handler gives (``context.abort``) passes as it is."""
     logger = logging.getLogger(handler.__module__)
@@ -141,8 +145,7 @@ def answers_own_faults(
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            logger.error("%s call failed", handler.__name__, exc_info=exc)
-            await context.abort(*internal_failure(exc, "call"))
+            await context.abort(*own_fault(logger, f"{handler.__name__} call", exc, on="call"))
             raise  # not reached: abort raises AbortError
 
     return guarded
@@ -202,8 +205,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         store.record(item.handle, item.ids, res)
                     response = _response(item.seq, item.env_ids, res)
                 except Exception as exc:  # a fault of the server's own, as in the reader
-                    log.error("stream %s failed", opened.session_id, exc_info=exc)
-                    await context.abort(*internal_failure(exc))
+                    await context.abort(*own_fault(log, f"stream {opened.session_id}", exc))
                     return
                 yield response
         finally:
@@ -291,8 +293,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         except grpc.aio.AbortError:  # the handler ended the stream, and the read that waited with it
             pass
         except Exception as exc:  # a fault of the server's own: the stream ends, it does not hang
-            log.error("stream %s failed", opened.session_id, exc_info=exc)
-            out.put_nowait(_Abort(*internal_failure(exc)))
+            out.put_nowait(_Abort(*own_fault(log, f"stream {opened.session_id}", exc)))
         finally:
             if slots is not None:
                 self.batcher.close_stream(slots)

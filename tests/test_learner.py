@@ -267,7 +267,7 @@ def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
 
     with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.learner"):
         run(main())
-    failed = [r for r in caplog.records if r.getMessage().startswith("trainer stream failed")]
+    failed = [r for r in caplog.records if r.getMessage() == "trainer stream of generation 1 failed"]
     assert len(failed) == 1 and failed[0].exc_info is not None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -330,11 +331,12 @@ def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_othe
 
 @pytest.mark.parametrize("where", ["check_rows", "TransitionStore.record"])
 def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_the_others_go_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
     """As over gRPC: the stream hears INTERNAL and why, where its socket was once closed without
     a word (a fault while its frame is read: asyncio's end of a protocol whose ``data_received``
-    raised) or it heard nothing more (a fault while its answer is written)."""
+    raised) or it heard nothing more (a fault while its answer is written); the log says which
+    stream failed, with the traceback."""
     from edgerl.edge_server import local
     from edgerl.edge_server.transitions import TransitionStore
 
@@ -358,7 +360,10 @@ def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_
             assert server.servicer.rejected_invalid == 0  # not the client's fault
             assert await waited(lambda: server.servicer.active_streams == 1, 5.0)
 
-    run(main())
+    with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.local"):
+        run(main())
+    failed = [r for r in caplog.records if r.getMessage() == "local stream faulty failed"]
+    assert len(failed) == 1 and failed[0].exc_info is not None
 
 
 def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Path) -> None:
