@@ -31,6 +31,24 @@ STREAM_DEADLINE_S = 7 * 24 * 3600.0
 """Deadline of the Act stream as a whole; each answer has its own, shorter one."""
 _STOP_POLL_S = 0.25
 """Longest health check of a :meth:`EdgeClient.wait_ready` that asks ``should_stop`` between them."""
+_WRITE_RACE = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+"""The status gRPC's asyncio client puts over the one the server ended a stream with, when a
+write of the client's was in flight as the stream ended (grpc/grpc#36066): the server's own
+refusal (a bad hello, a step, its shutdown) would read as this bare INTERNAL."""
+
+
+def _status_now(call: grpc.aio.Call) -> tuple[grpc.StatusCode, str] | None:
+    """The status of ``call`` as it stands, read without waiting; None if it has not ended.
+    (``code()`` and ``details()`` are coroutines that return at once once the call has ended.)"""
+    got: list[Any] = []
+    for coro in (call.code(), call.details()):
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            got.append(done.value)
+        finally:
+            coro.close()
+    return (got[0], got[1]) if len(got) == 2 else None
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,13 @@ class ActStream:
         self._next_send = 0
         self._next_recv = 0
         self._write: asyncio.Future[None] | None = None
+        self._first_status: tuple[grpc.StatusCode, str] | None = None
+        call.add_done_callback(self._ended)
+
+    def _ended(self, call: grpc.aio.Call) -> None:
+        """Keep the call's first status (called as it is set): gRPC may put :data:`_WRITE_RACE`
+        over it."""
+        self._first_status = _status_now(call)
 
     @property
     def inflight(self) -> int:
@@ -234,8 +259,9 @@ class ActStream:
             return errors.from_grpc(exc)
 
     async def _final_error(self) -> errors.EdgeRLError:
-        code = await self._call.code()
-        details = await self._call.details()
+        code, details = await self._call.code(), await self._call.details()
+        if (code, details) == _WRITE_RACE and self._first_status is not None:
+            code, details = self._first_status  # the server's, which gRPC's went over
         if code == grpc.StatusCode.OK:
             return errors.ProtocolError("server closed the stream with messages unanswered")
         return errors.from_grpc(_StatusOnly(code, details))

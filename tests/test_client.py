@@ -372,6 +372,32 @@ def test_recv_deadline_raises_deadline_exceeded() -> None:
     run(main())
 
 
+def test_a_refusal_that_meets_writes_in_flight_reads_as_the_servers_status() -> None:
+    """A double-buffered worker sends its two groups' steps right after its hello. When the
+    server refuses the hello, those writes are still in flight as the stream ends, and gRPC's
+    asyncio client then puts its own bare INTERNAL over the server's status (grpc/grpc#36066):
+    the caller read "Internal error from Core", and a sim worker gave up on a refusal (or on a
+    server's shutdown) it could have named or ridden through. The server's status is kept."""
+    refusal = "INVALID_ARGUMENT: hello.obs_shape: server serves [4], got [5]"
+
+    raced = []
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1)) as server, EdgeClient(server.address) as client:
+            for _ in range(30):
+                stream = await client.open_stream(session_id="s", num_envs=2, obs_shape=(5,), max_inflight=2)
+                for ids in ([0], [1]):
+                    await stream.send(ids, np.zeros((1, 5)), [0.0], [False], [False])
+                with pytest.raises(errors.InvalidArgumentError) as refused:
+                    await stream.recv()
+                assert str(refused.value) == refusal
+                raced.append(await stream._call.details() == "Internal error from Core")  # gRPC's, over it
+                await stream.close()
+
+    run(main())
+    assert any(raced)  # the race happened: what the caller read is the status gRPC overwrote
+
+
 def test_sending_beyond_max_inflight_or_receiving_with_none_in_flight_is_refused_client_side() -> None:
     async def main() -> None:
         async with running_server(EchoPolicy(4, 1)) as server:
