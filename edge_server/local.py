@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import stat
@@ -49,9 +48,14 @@ from edgerl.edge_server.service import (
     step_refusal,
 )
 from edgerl.edge_server.transitions import StreamHandle
-from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_rows
+from edgerl.edge_server.validation import (
+    InvalidRequestError,
+    StreamSpec,
+    check_hello,
+    check_rows,
+    hello_from_settings,
+)
 from edgerl.proto import frames
-from edgerl.proto.v1 import edge_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -223,21 +227,7 @@ class _LocalStream(asyncio.Protocol):
         future.add_done_callback(self._answer_ready)
 
     def _open(self, payload: bytes) -> None:
-        try:
-            settings = json.loads(payload[1:])
-            hello = pb.StreamHello(
-                session_id=str(settings["session_id"]),
-                num_envs=int(settings["num_envs"]),
-                obs_shape=[int(d) for d in settings["obs_shape"]],
-                env_name=str(settings.get("env_name", "")),
-                max_inflight=int(settings["num_envs"]),  # as a network process declares
-                backfill=bool(settings.get("backfill", False)),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise InvalidRequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"settings: not a JSON object of the stream's settings ({exc})",
-            ) from None
+        hello = hello_from_settings(payload[1:])
         servicer = self._servicer
         spec = check_hello(hello, servicer.obs_shape, servicer.limits.max_envs_per_stream, servicer.env_name)
         if servicer.batcher.closing:

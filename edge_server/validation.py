@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -59,6 +61,54 @@ def check_hello(
     if hello.max_inflight > hello.num_envs:
         raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
     return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight), hello.backfill)
+
+
+_UINT32 = 1 << 32
+_T = TypeVar("_T")
+
+
+def _setting(settings: dict[str, Any], name: str, kind: type[_T], what: str, default: _T | None = None) -> _T:
+    """``settings[name]`` if it is a ``kind`` (``default`` where it is left out, if any)."""
+    if name not in settings:
+        if default is None:
+            raise _invalid(f"settings.{name}: missing")
+        return default
+    value = settings[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _invalid(f"settings.{name}: must be {what}, got {value!r}")
+    return value
+
+
+def _is_dim(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _UINT32
+
+
+def hello_from_settings(text: bytes) -> pb.StreamHello:
+    """The StreamHello that a local stream's settings (a ``C`` frame's JSON object) declare:
+    ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name`` and ``backfill``
+    (optional), with one message in flight per env (as a network process declares). Settings
+    that cannot be read are refused naming the field (``settings.num_envs: ...``); what they
+    declare is checked as a hello's is, by :func:`check_hello`."""
+    try:
+        settings = json.loads(text.decode())
+    except ValueError as exc:  # UnicodeDecodeError included: UTF-8 only, as JSON is sent
+        raise _invalid(f"settings: not JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise _invalid(f"settings: must be a JSON object, got {type(settings).__name__}")
+    num_envs = _setting(settings, "num_envs", int, "an integer")
+    if not _is_dim(num_envs):
+        raise _invalid(f"settings.num_envs: must be in [0, {_UINT32}), got {num_envs}")
+    shape = _setting(settings, "obs_shape", list, "a list of integers")
+    if not all(_is_dim(d) for d in shape):
+        raise _invalid(f"settings.obs_shape: must be a list of integers in [0, {_UINT32}), got {shape!r}")
+    return pb.StreamHello(
+        session_id=_setting(settings, "session_id", str, "a string"),
+        num_envs=num_envs,
+        obs_shape=shape,
+        env_name=_setting(settings, "env_name", str, "a string", ""),
+        max_inflight=num_envs,
+        backfill=_setting(settings, "backfill", bool, "true or false", False),
+    )
 
 
 def check_obs(

@@ -46,7 +46,7 @@ OBS, ACT = 3, 2
 _Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-def _settings(num_envs: int = 4, obs_shape: list[int] | None = None, **more: Any) -> bytes:
+def _settings(num_envs: Any = 4, obs_shape: list[Any] | None = None, **more: Any) -> bytes:
     fields = {"session_id": "local-test", "num_envs": num_envs, "obs_shape": obs_shape or [OBS], **more}
     return frames.frame(frames.CONFIG + json.dumps(fields).encode())
 
@@ -217,12 +217,54 @@ def test_an_idle_backfill_stream_is_not_waited_for_over_either_transport(tmp_pat
 _GOOD = _rows([0, 1])
 _CASES = [
     ("first frame not settings", frames.encode_obs(1, _GOOD), "FAILED_PRECONDITION", "must be its settings"),
-    ("settings not JSON", frames.frame(frames.CONFIG + b"{nope"), "INVALID_ARGUMENT", "settings: not a JSON"),
+    ("settings not JSON", frames.frame(frames.CONFIG + b"{nope"), "INVALID_ARGUMENT", "settings: not JSON ("),
+    (
+        "settings not UTF-8",
+        frames.frame(frames.CONFIG + b"\xff{}"),
+        "INVALID_ARGUMENT",
+        "settings: not JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)",
+    ),
+    (
+        "settings not an object",
+        frames.frame(frames.CONFIG + b"[4, 3]"),
+        "INVALID_ARGUMENT",
+        "settings: must be a JSON object, got list",
+    ),
     (
         "settings missing num_envs",
         frames.frame(frames.CONFIG + b'{"session_id": "x"}'),
         "INVALID_ARGUMENT",
-        "settings:",
+        "settings.num_envs: missing",
+    ),
+    (
+        "num_envs not a number",
+        _settings(num_envs="4"),
+        "INVALID_ARGUMENT",
+        "settings.num_envs: must be an integer, got '4'",
+    ),
+    (
+        "num_envs past uint32",
+        _settings(num_envs=1 << 40),
+        "INVALID_ARGUMENT",
+        "settings.num_envs: must be in [0, 4294967296), got 1099511627776",
+    ),
+    (
+        "obs_shape of floats",
+        _settings(obs_shape=[3.0]),
+        "INVALID_ARGUMENT",
+        "settings.obs_shape: must be a list of integers in [0, 4294967296), got [3.0]",
+    ),
+    (
+        "session_id not a string",
+        _settings(session_id=7),
+        "INVALID_ARGUMENT",
+        "settings.session_id: must be a string, got 7",
+    ),
+    (
+        "backfill not a bool",
+        _settings(backfill="yes"),
+        "INVALID_ARGUMENT",
+        "settings.backfill: must be true or false, got 'yes'",
     ),
     ("obs shape of another env", _settings(obs_shape=[17]), "INVALID_ARGUMENT", "hello.obs_shape"),
     ("no session id", _settings(session_id=""), "INVALID_ARGUMENT", "hello.session_id"),
