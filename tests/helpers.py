@@ -24,6 +24,7 @@ from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.robot_client import netproc
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
+from edgerl.robot_client.sim_worker import SimWorker
 from edgerl.trainer.segments import Batch
 
 
@@ -274,9 +275,10 @@ class ServerThread:
 
         return self._call(call())
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Stop the server: at once, or after ``grace_s`` for what is in flight."""
         if self.server is not None:
-            self._call(self.server.stop(grace_s=0.0))
+            self._call(self.server.stop(grace_s=grace_s))
             self.server = None
 
     def restart(self) -> None:
@@ -435,3 +437,32 @@ def on_session(session_id: str) -> Callable[..., bool]:
         return session_id in specs + handles
 
     return when
+
+
+@contextlib.contextmanager
+def stepping(worker: SimWorker) -> Iterator[dict[str, Any]]:
+    """``worker.run_blocking`` on a thread of its own during the block, stopped and closed at its
+    end; the dict it yields then holds the worker's ``progress``, or the ``error`` it raised."""
+    stop = threading.Event()
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["progress"] = worker.run_blocking(stop.is_set)
+        except Exception as exc:  # for the test to report
+            result["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join(30)
+        worker.close()
+
+
+def steps_on(worker: SimWorker, steps: int = 500) -> bool:
+    """Whether the worker steps ``steps`` more env steps within 30 s."""
+    before = worker.progress.steps
+    return bool(wait_until(lambda: worker.progress.steps > before + steps, timeout_s=30.0, poll_s=0.02))

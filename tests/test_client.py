@@ -25,12 +25,15 @@ from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.sim_worker import ENDING_GRACE_S, SimWorker, SimWorkerConfig
 from tests.helpers import (
     EchoPolicy,
+    ServerThread,
     Spawned,
     first_spawn_runs_on,
     free_port,
     run,
     run_a_later_grpc_loop,
     running_server,
+    stepping,
+    steps_on,
     waited,
 )
 
@@ -109,6 +112,30 @@ def test_worker_reconnects_with_backoff_until_the_server_comes_up(network_proces
         assert progress.steps == 200
 
     run(main())
+
+
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_a_sim_worker_rides_through_server_restarts(network_process: bool) -> None:
+    """A server that stops, gracefully (what is in flight answered, the rest refused with
+    UNAVAILABLE) or at once, and comes back on its port: each time the worker's stream ends
+    with a failure it retries, and the worker reconnects with backoff and steps on."""
+    with ServerThread(EchoPolicy(4, 1)) as server:
+        worker = _worker(
+            server.address,
+            num_envs=8,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+            network_process=network_process,
+        )
+        with stepping(worker) as result:
+            for grace_s in (0.5, 0.0, 0.5, 0.0):
+                assert steps_on(worker, 200)
+                server.kill(grace_s)
+                time.sleep(0.2)
+                server.restart()
+            assert steps_on(worker, 200)
+    assert "error" not in result, result
+    assert result["progress"].reconnects >= 4
 
 
 @pytest.mark.parametrize(

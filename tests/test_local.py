@@ -10,9 +10,8 @@ import os
 import re
 import socket
 import stat
-import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ from tests.helpers import (
     run,
     running_server,
     serving,
+    stepping,
+    steps_on,
     wait_until,
     waited,
 )
@@ -526,47 +527,18 @@ def test_sim_worker_steps_real_envs_over_the_local_socket(tmp_path: Path) -> Non
     run(main())
 
 
-@contextlib.contextmanager
-def _stepping(worker: SimWorker) -> Iterator[dict[str, Any]]:
-    """``worker.run_blocking`` on a thread of its own during the block, stopped and closed at its
-    end; the dict it yields then holds the worker's ``progress``, or the ``error`` it raised."""
-    stop = threading.Event()
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            result["progress"] = worker.run_blocking(stop.is_set)
-        except Exception as exc:  # for the test to report
-            result["error"] = exc
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    try:
-        yield result
-    finally:
-        stop.set()
-        thread.join(30)
-        worker.close()
-
-
-def _steps_on(worker: SimWorker, steps: int = 500) -> bool:
-    """Whether the worker steps ``steps`` more env steps within 30 s."""
-    before = worker.progress.steps
-    return bool(wait_until(lambda: worker.progress.steps > before + steps, timeout_s=30.0, poll_s=0.02))
-
-
 def test_sim_worker_waits_for_the_server_and_rides_through_a_restart(tmp_path: Path) -> None:
     path = str(tmp_path / "act.sock")
     worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
-    with _stepping(worker) as result:
+    with stepping(worker) as result:
         time.sleep(0.5)  # no server yet: the worker retries
         assert worker.progress.steps == 0
         with ServerThread(_pendulum_backend(), local_socket=path) as server:
-            assert _steps_on(worker)
+            assert steps_on(worker)
             server.kill()
             time.sleep(0.3)
             server.restart()
-            assert _steps_on(worker)
+            assert steps_on(worker)
     assert "error" not in result, result
     assert result["progress"].reconnects >= 2  # before the server came, and at the restart
 
@@ -580,14 +552,14 @@ def test_sim_worker_rides_through_a_server_process_killed_without_a_word(
     path = str(tmp_path / "act.sock")
     command = ["--env", PENDULUM, "--local-socket", path]
     worker = _worker(path, backoff_initial_s=0.05, backoff_max_s=0.2)
-    with _stepping(worker) as result:
+    with stepping(worker) as result:
         with serving(*command) as (first, _):
-            assert _steps_on(worker)
+            assert steps_on(worker)
             first.kill()
             first.wait(timeout=60)
         assert os.path.exists(path)  # left behind
         with serving(*command):
-            assert _steps_on(worker)
+            assert steps_on(worker)
     assert "error" not in result, result
     # EOF, or ECONNRESET where the server died with bytes of the worker's unread
     closed = [f"the server closed the local socket {path}", f"the local socket {path} failed"]
