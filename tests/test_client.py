@@ -399,14 +399,19 @@ def test_recv_deadline_raises_deadline_exceeded() -> None:
     run(main())
 
 
-def test_a_refusal_that_meets_writes_in_flight_reads_as_the_servers_status() -> None:
-    """A double-buffered worker sends its two groups' steps right after its hello. When the
-    server refuses the hello, those writes are still in flight as the stream ends, and gRPC's
-    asyncio client then puts its own bare INTERNAL over the server's status (grpc/grpc#36066):
-    the caller read "Internal error from Core", and a sim worker gave up on a refusal (or on a
-    server's shutdown) it could have named or ridden through. The server's status is kept."""
-    refusal = "INVALID_ARGUMENT: hello.obs_shape: server serves [4], got [5]"
+def test_a_refusal_that_meets_writes_in_flight_reads_as_the_servers_status(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A double-buffered worker sends its two groups' steps right after its hello. When a server
+    refuses the hello and ends the stream at once (edgerl's waits for the client to go quiet,
+    another server may not), those writes are still in flight, and gRPC's asyncio client puts
+    its own bare INTERNAL over the server's status (grpc/grpc#36066): the caller read "Internal
+    error from Core", and a sim worker gave up on a refusal it could have named, or on a
+    restarting server it could have ridden through. The server's status is kept."""
+    from edgerl.edge_server import service
 
+    monkeypatch.setattr(service, "ENDING_MAX_S", 0.0)  # the stream ends at once
+    refusal = "INVALID_ARGUMENT: hello.obs_shape: server serves [4], got [5]"
     raced = []
 
     async def main() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import os
 import re
@@ -501,6 +503,61 @@ def test_every_unary_rpc_of_the_api_has_a_fault_case() -> None:
     }
     covered = {rpc for rpc, *_ in UNARY_FAULTS.values()}
     assert unary == covered, f"unary RPCs without a fault case: {sorted(unary - covered)}"
+
+
+def _raw_step(seq: int, obs_dim: int = OBS) -> pb.ActRequest:
+    obs = np.zeros((1, obs_dim), np.float32)
+    step = pb.StepObservation(seq=seq, env_ids=[0], obs=tensors.float32(obs), rewards=[0.0])
+    step.terminated.append(False)
+    step.truncated.append(False)
+    return pb.ActRequest(step=step)
+
+
+def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read_the_refusal() -> None:
+    """A double-buffered client writes its hello and its two groups' steps at once. Ended while
+    those writes are in flight, the stream reads INTERNAL "Internal error from Core" on a
+    ``grpc.aio`` client, gRPC's own status over the server's (grpc/grpc#36066; ended at once,
+    about half of these streams did). The server drops what the client still sends and ends
+    the stream once it is quiet: the call ends with the refusal every time. A client that
+    never goes quiet is ended all the same, after ENDING_MAX_S."""
+    refusal = f"hello.obs_shape: server serves [{OBS}], got [{OBS + 1}]"
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT)) as server, EdgeClient(server.address) as client:
+            for _ in range(30):
+                stream = await client.open_stream(
+                    session_id="s", num_envs=2, obs_shape=(OBS + 1,), max_inflight=2
+                )
+                for ids in ([0], [1]):
+                    await stream.send(ids, np.zeros((1, OBS + 1)), [0.0], [False], [False])
+                with pytest.raises(errors.InvalidArgumentError):
+                    await stream.recv()
+                # the call's own status, not only what EdgeClient makes of it
+                assert (await stream._call.code(), await stream._call.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    refusal,
+                )
+                await stream.close()
+            async with grpc.aio.insecure_channel(server.address) as channel:  # a client never quiet
+                call = pb_grpc.EdgePolicyStub(channel).Act(timeout=10)
+                await call.write(
+                    pb.ActRequest(hello=pb.StreamHello(session_id="raw", num_envs=1, obs_shape=[OBS + 1]))
+                )
+
+                async def keep_writing() -> None:
+                    for seq in itertools.count():
+                        await call.write(_raw_step(seq, OBS + 1))
+                        await asyncio.sleep(0.002)
+
+                writer = asyncio.ensure_future(keep_writing())
+                assert await call.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+                writer.cancel()
+                with contextlib.suppress(
+                    asyncio.CancelledError, grpc.aio.AioRpcError, asyncio.InvalidStateError
+                ):
+                    await writer
+
+    run(main())
 
 
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
