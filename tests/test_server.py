@@ -505,12 +505,14 @@ def test_every_unary_rpc_of_the_api_has_a_fault_case() -> None:
     assert unary == covered, f"unary RPCs without a fault case: {sorted(unary - covered)}"
 
 
-def _raw_step(seq: int, obs_dim: int = OBS) -> pb.ActRequest:
-    obs = np.zeros((1, obs_dim), np.float32)
-    step = pb.StepObservation(seq=seq, env_ids=[0], obs=tensors.float32(obs), rewards=[0.0])
-    step.terminated.append(False)
-    step.truncated.append(False)
-    return pb.ActRequest(step=step)
+def _raw_step(seq: int, obs_dim: int) -> pb.ActRequest:
+    """A step of one env, as a client of its own (not :class:`EdgeClient`) writes it."""
+    obs = tensors.float32(np.zeros((1, obs_dim), np.float32))
+    return pb.ActRequest(
+        step=pb.StepObservation(
+            seq=seq, env_ids=[0], obs=obs, rewards=[0.0], terminated=[False], truncated=[False]
+        )
+    )
 
 
 def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read_the_refusal() -> None:
