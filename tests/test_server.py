@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import re
 import threading
 from collections.abc import Callable
@@ -589,6 +590,38 @@ def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     assert run(ends_within(1.0, seconds=8.0))
     assert run(ends_within(1.0, seconds=8.0, idle_s=4.0))
     assert not run(ends_within(0.0, seconds=4.0))
+
+
+def test_a_stream_ends_with_the_refusal_of_its_first_bad_message_whatever_follows_it() -> None:
+    """Forty streams, each two of :data:`BAD_CASES` written back to back (seeded): every one
+    ends with the refusal of the first case's bad message, what follows it (another hello, more
+    bad steps, in flight as the stream is refused) read and dropped; the healthy stream is
+    served throughout."""
+    rng = random.Random(7)
+    firsts = list(BAD_CASES)
+    seconds = [c for c in BAD_CASES if c != "oversized"]  # the transport would refuse it first
+
+    async def main() -> None:
+        async with running_server(
+            EchoPolicy(OBS, ACT), env_name="HalfCheetah-v5", max_message_bytes=64 * 1024
+        ) as server:
+            async with EdgeClient(server.address) as client, grpc.aio.insecure_channel(server.address) as ch:
+                healthy = await _healthy_stream(client, "healthy", env_name="HalfCheetah-v5")
+                for i in range(40):
+                    first, second = rng.choice(firsts), rng.choice(seconds)
+                    call = pb_grpc.EdgePolicyStub(ch).Act(timeout=10)
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        for m in BAD_CASES[first][0] + BAD_CASES[second][0]:
+                            await call.write(m)
+                        await call.read()
+                    code, text = BAD_CASES[first][1:]
+                    assert (await call.code()).name == code, (first, second, await call.details())
+                    assert text in await call.details(), (first, second)
+                    if i % 10 == 9:
+                        await _round_trip(healthy)
+                await healthy.close()
+
+    run(main())
 
 
 BAD_SETTINGS: dict[str, tuple[object, str]] = {
