@@ -13,7 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
-from edgerl.edge_server.service import answers_own_faults, own_fault
+from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -96,6 +96,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 last = self.store.next_seq - 1
                 if ack.acked_seq > last:
                     bad.append(f"acked_seq: {ack.acked_seq} was never sent (last segment is {last})")
+                    await drop_until_quiet(requests)  # so that an asyncio trainer reads the refusal
                     return
                 self.store.ack(ack.acked_seq, ack.window_steps)
 

@@ -8,7 +8,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -149,6 +149,19 @@ async def _drop_the_rest(requests: AsyncIterator[pb.ActRequest], opened: _Opened
     with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError):
         async for _ in requests:
             opened.reads += 1
+
+
+async def drop_until_quiet(requests: AsyncIterator[Any]) -> None:
+    """Read and drop what a client still sends on a stream about to be refused, until nothing
+    came for :data:`ENDING_QUIET_S`, the client half-closed, or :data:`ENDING_MAX_S` passed: for
+    a stream whose reader is the one to refuse it (the trainer's, on a bad ack)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + ENDING_MAX_S
+    with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, grpc.aio.AbortError):
+        while loop.time() < give_up:
+            async with asyncio.timeout(ENDING_QUIET_S):
+                if await anext(aiter(requests), None) is None:
+                    return
 
 
 async def _end(
