@@ -418,9 +418,9 @@ def test_a_refusal_that_meets_writes_in_flight_reads_as_the_servers_status(
         async with running_server(EchoPolicy(4, 1)) as server, EdgeClient(server.address) as client:
             for _ in range(30):
                 stream = await client.open_stream(session_id="s", num_envs=2, obs_shape=(5,), max_inflight=2)
-                for ids in ([0], [1]):
-                    await stream.send(ids, np.zeros((1, 5)), [0.0], [False], [False])
                 with pytest.raises(errors.InvalidArgumentError) as refused:
+                    for ids in ([0], [1]):
+                        await stream.send(ids, np.zeros((1, 5)), [0.0], [False], [False])
                     await stream.recv()
                 assert str(refused.value) == refusal
                 raced.append(await stream._call.details() == "Internal error from Core")  # gRPC's, over it

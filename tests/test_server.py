@@ -531,9 +531,9 @@ def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read
                 stream = await client.open_stream(
                     session_id="s", num_envs=2, obs_shape=(OBS + 1,), max_inflight=2
                 )
-                for ids in ([0], [1]):
-                    await stream.send(ids, np.zeros((1, OBS + 1)), [0.0], [False], [False])
                 with pytest.raises(errors.InvalidArgumentError):
+                    for ids in ([0], [1]):
+                        await stream.send(ids, np.zeros((1, OBS + 1)), [0.0], [False], [False])
                     await stream.recv()
                 # the call's own status, not only what EdgeClient makes of it
                 assert (await stream._call.code(), await stream._call.details()) == (
