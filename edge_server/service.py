@@ -56,15 +56,21 @@ ENDING_MAX_S = 0.1
 
 
 @dataclass(slots=True)
-class _Opened:
+class _Reads:
+    """The messages a stream's reader has read; ``ending``: the stream is being ended, and the
+    reader drops what comes (:func:`_until_quiet` waits for the client to go quiet)."""
+
+    reads: int = 0
+    ending: bool = False
+
+
+@dataclass(slots=True)
+class _Opened(_Reads):
     """What the reader of an Act stream tells its handler: the session once its hello came, and
-    the transition-store claims to close when the stream ends. The handler sets ``ending`` to
-    have the reader drop what comes after; ``reads`` counts the messages read."""
+    the transition-store claims to close when the stream ends."""
 
     session_id: str = "?"
     handles: list[StreamHandle] = field(default_factory=list)
-    ending: bool = False
-    reads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,26 +148,38 @@ def own_fault(
     return grpc.StatusCode.INTERNAL, f"the server failed on this {on}: {type(exc).__name__}: {exc}"
 
 
-async def _drop_the_rest(requests: AsyncIterator[pb.ActRequest], opened: _Opened) -> None:
+async def _drop_the_rest(requests: AsyncIterator[Any], read: _Reads) -> None:
     """Read and drop what the client still sends on a stream being ended, until it half-closes
-    or the handler ends the stream (and this reader with it)."""
-    opened.ending = True
+    or the stream ends (and this reader with it)."""
+    read.ending = True
     with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError):
         async for _ in requests:
-            opened.reads += 1
+            read.reads += 1
+
+
+async def _until_quiet(read: _Reads, reader: asyncio.Future[None]) -> None:
+    """Wait until the client of a stream being ended has sent nothing for
+    :data:`ENDING_QUIET_S`, or has half-closed (``reader`` ended), or :data:`ENDING_MAX_S`
+    passed; meanwhile ``reader`` drops what comes."""
+    read.ending = True
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + ENDING_MAX_S
+    while not reader.done() and loop.time() < give_up:
+        seen = read.reads
+        await asyncio.sleep(ENDING_QUIET_S)
+        if read.reads == seen:
+            break
 
 
 async def drop_until_quiet(requests: AsyncIterator[Any]) -> None:
-    """Read and drop what a client still sends on a stream about to be refused, until nothing
-    came for :data:`ENDING_QUIET_S`, the client half-closed, or :data:`ENDING_MAX_S` passed: for
-    a stream whose reader is the one to refuse it (the trainer's, on a bad ack)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + ENDING_MAX_S
-    with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, grpc.aio.AbortError):
-        while loop.time() < give_up:
-            async with asyncio.timeout(ENDING_QUIET_S):
-                if await anext(aiter(requests), None) is None:
-                    return
+    """Read and drop what a client still sends on a stream about to be refused, until it is
+    quiet (:func:`_until_quiet`): for a stream whose reader is the one to refuse it (the
+    trainer's, on a bad ack)."""
+    read = _Reads()
+    dropping = asyncio.ensure_future(_drop_the_rest(requests, read))
+    await _until_quiet(read, dropping)
+    dropping.cancel()
+    await asyncio.wait([dropping])
 
 
 async def _end(
@@ -171,17 +189,9 @@ async def _end(
     code: grpc.StatusCode,
     message: str,
 ) -> None:
-    """End an Act stream with ``code``, once its client has been quiet for
-    :data:`ENDING_QUIET_S` (:data:`ENDING_MAX_S` at most) or has half-closed: its reader drops
-    what comes meanwhile."""
-    opened.ending = True
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + ENDING_MAX_S
-    while not reader.done() and loop.time() < give_up:
-        seen = opened.reads
-        await asyncio.sleep(ENDING_QUIET_S)
-        if opened.reads == seen:
-            break
+    """End an Act stream with ``code`` once its client is quiet (:func:`_until_quiet`); its
+    reader drops what comes meanwhile."""
+    await _until_quiet(opened, reader)
     await context.abort(code, message)
 
 
