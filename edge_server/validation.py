@@ -79,7 +79,7 @@ def _setting(settings: dict[str, Any], name: str, kind: type[_T], what: str, def
     return value
 
 
-def _is_dim(d: object) -> bool:
+def _is_uint32(d: object) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _UINT32
 
 
@@ -96,10 +96,10 @@ def hello_from_settings(text: bytes) -> pb.StreamHello:
     if not isinstance(settings, dict):
         raise _invalid(f"settings: must be a JSON object, got {type(settings).__name__}")
     num_envs = _setting(settings, "num_envs", int, "an integer")
-    if not _is_dim(num_envs):
+    if not _is_uint32(num_envs):
         raise _invalid(f"settings.num_envs: must be in [0, {_UINT32}), got {num_envs}")
     shape = _setting(settings, "obs_shape", list, "a list of integers")
-    if not all(_is_dim(d) for d in shape):
+    if not all(_is_uint32(d) for d in shape):
         raise _invalid(f"settings.obs_shape: must be a list of integers in [0, {_UINT32}), got {shape!r}")
     return pb.StreamHello(
         session_id=_setting(settings, "session_id", str, "a string"),

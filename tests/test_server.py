@@ -506,16 +506,6 @@ def test_every_unary_rpc_of_the_api_has_a_fault_case() -> None:
     assert unary == covered, f"unary RPCs without a fault case: {sorted(unary - covered)}"
 
 
-def _raw_step(seq: int, obs_dim: int) -> pb.ActRequest:
-    """A step of one env, as a client of its own (not :class:`EdgeClient`) writes it."""
-    obs = tensors.float32(np.zeros((1, obs_dim), np.float32))
-    return pb.ActRequest(
-        step=pb.StepObservation(
-            seq=seq, env_ids=[0], obs=obs, rewards=[0.0], terminated=[False], truncated=[False]
-        )
-    )
-
-
 def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read_the_refusal() -> None:
     """A double-buffered client writes its hello and its two groups' steps at once. Ended while
     those writes are in flight, the stream reads INTERNAL "Internal error from Core" on a
@@ -549,7 +539,7 @@ def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read
 
                 async def keep_writing() -> None:
                     for seq in itertools.count():
-                        await call.write(_raw_step(seq, OBS + 1))
+                        await call.write(_step(seq, [0], np.zeros((1, OBS + 1), np.float32)))
                         await asyncio.sleep(0.002)
 
                 writer = asyncio.ensure_future(keep_writing())
