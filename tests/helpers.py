@@ -16,12 +16,13 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import pytest
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
-from edgerl.robot_client import netproc
+from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.robot_client.sim_worker import SimWorker
@@ -141,6 +142,29 @@ async def act_once(
         answer = await stream.recv()
         await stream.close()
         return answer
+
+
+async def refused_hellos(address: str, obs_dim: int, tries: int) -> list[tuple[str, grpc.StatusCode, str]]:
+    """Open ``tries`` streams whose hello the server refuses (observations of ``obs_dim``, not
+    the server's), each with two groups' steps sent right after it, as a double-buffered worker
+    sends them. For each: the error :class:`EdgeClient` raised (its type and message), and the
+    call's own status, which gRPC may have overwritten (grpc/grpc#36066)."""
+    got = []
+    async with EdgeClient(address) as client:
+        for _ in range(tries):
+            stream = await client.open_stream(
+                session_id="s", num_envs=2, obs_shape=(obs_dim,), max_inflight=2
+            )
+            raised = "nothing"
+            try:
+                for ids in ([0], [1]):
+                    await stream.send(ids, np.zeros((1, obs_dim)), [0.0], [False], [False])
+                await stream.recv()
+            except errors.EdgeRLError as exc:
+                raised = f"{type(exc).__name__}: {exc}"
+            got.append((raised, await stream._call.code(), await stream._call.details()))
+            await stream.close()
+    return got
 
 
 T = TypeVar("T")

@@ -29,6 +29,7 @@ from tests.helpers import (
     Spawned,
     first_spawn_runs_on,
     free_port,
+    refused_hellos,
     run,
     run_a_later_grpc_loop,
     running_server,
@@ -411,23 +412,16 @@ def test_a_refusal_that_meets_writes_in_flight_reads_as_the_servers_status(
     from edgerl.edge_server import service
 
     monkeypatch.setattr(service, "ENDING_MAX_S", 0.0)  # the stream ends at once
-    refusal = "INVALID_ARGUMENT: hello.obs_shape: server serves [4], got [5]"
-    raced = []
+    refusal = "InvalidArgumentError: INVALID_ARGUMENT: hello.obs_shape: server serves [4], got [5]"
 
-    async def main() -> None:
-        async with running_server(EchoPolicy(4, 1)) as server, EdgeClient(server.address) as client:
-            for _ in range(30):
-                stream = await client.open_stream(session_id="s", num_envs=2, obs_shape=(5,), max_inflight=2)
-                with pytest.raises(errors.InvalidArgumentError) as refused:
-                    for ids in ([0], [1]):
-                        await stream.send(ids, np.zeros((1, 5)), [0.0], [False], [False])
-                    await stream.recv()
-                assert str(refused.value) == refusal
-                raced.append(await stream._call.details() == "Internal error from Core")  # gRPC's, over it
-                await stream.close()
+    async def main() -> list[tuple[str, grpc.StatusCode, str]]:
+        async with running_server(EchoPolicy(4, 1)) as server:
+            return await refused_hellos(server.address, 5, 30)
 
-    run(main())
-    assert any(raced)  # the race happened: what the caller read is the status gRPC overwrote
+    got: list[tuple[str, grpc.StatusCode, str]] = run(main())  # type: ignore[assignment]
+    assert [raised for raised, _, _ in got] == [refusal] * 30
+    # the race happened: what the caller read is the status gRPC overwrote
+    assert any(details == "Internal error from Core" for _, _, details in got)
 
 
 def test_sending_beyond_max_inflight_or_receiving_with_none_in_flight_is_refused_client_side() -> None:
