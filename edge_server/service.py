@@ -57,8 +57,8 @@ ENDING_MAX_S = 0.1
 
 @dataclass(slots=True)
 class _Reads:
-    """The messages a stream's reader has read; ``ending``: the stream is being ended, and the
-    reader drops what comes (:func:`_until_quiet` waits for the client to go quiet)."""
+    """``ending``: the stream is being ended, and its reader drops what comes, counting it in
+    ``reads`` (:func:`_until_quiet` waits for the client to go quiet)."""
 
     reads: int = 0
     ending: bool = False
@@ -298,9 +298,9 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         seq = 0
         try:
             async for req in requests:
-                opened.reads += 1
-                if opened.ending:
-                    continue  # the handler is ending the stream: dropped
+                if opened.ending:  # the handler is ending the stream: dropped, counted for its wait
+                    opened.reads += 1
+                    continue
                 if self.batcher.closing:
                     raise BatcherClosedError("server is shutting down")
                 kind = req.WhichOneof("kind")
