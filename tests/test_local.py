@@ -409,6 +409,69 @@ def test_a_fault_of_the_server_on_one_local_stream_refuses_it_with_internal_and_
     assert len(failed) == 1 and failed[0].exc_info is not None
 
 
+@pytest.mark.parametrize("how", ["rows_in_flight", "answers_unread"])
+def test_a_client_gone_mid_stream_frees_its_stream_and_the_others_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A client that goes away (a crash, a kill) while the server still owes it answers: its rows
+    in the forward pass (``rows_in_flight``), or answers it stopped reading, so that the server's
+    writes back up and then fail with a broken pipe (``answers_unread``). Its stream is closed,
+    its slots and its session are freed, nothing is logged as a fault, and the other stream is
+    served throughout."""
+    rows = 256  # a full batch per frame: the answers outgrow the socket's buffers in ~100 frames
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        delay_s = 0.3 if how == "rows_in_flight" else 0.0
+        async with (
+            running_server(
+                EchoPolicy(OBS, ACT, delay_s=delay_s), local_socket=path, learner=TransitionConfig()
+            ) as server,
+            _connected(path) as good,
+        ):
+            assert server.local is not None
+            reader, writer = await asyncio.open_unix_connection(path)
+            writer.write(_settings(session_id="gone", num_envs=rows))
+            assert (await _read(reader))[:1] == frames.UP
+            (gone,) = [s for s in server.local.streams if s._spec and s._spec.session_id == "gone"]
+            if how == "rows_in_flight":
+                half = rows // 2
+                for lo in (0, half):
+                    writer.write(frames.encode_obs(1, _rows(list(range(lo, lo + half)))))
+                assert await waited(lambda: len(gone._pending) == 2, 5.0)  # in the forward pass
+            else:
+                assert gone._transport is not None
+                stats = server.batcher.stats
+
+                async def answered(requests: int) -> bool:
+                    return await waited(lambda: stats.requests >= requests and not gone._pending, 5.0)
+
+                for epoch in range(2000):
+                    if gone._transport.get_write_buffer_size() > 0:  # the server's writes backed up
+                        break
+                    want = stats.requests + 1
+                    writer.write(frames.encode_obs(epoch, _rows(list(range(rows)))))
+                    await writer.drain()
+                    assert await answered(want)
+                else:
+                    pytest.fail("the server's answers never backed up")
+            assert server.servicer.active_streams == 2
+            writer.transport.abort()  # gone without reading what the server sent
+            assert await waited(lambda: server.servicer.active_streams == 1, 5.0)
+            assert gone not in server.local.streams and len(server.local.streams) == 1
+            assert server.batcher.waited_streams == 1
+            for ids in ([0, 1], [2, 3], [0, 1]):
+                await _ask(good, ids)  # the other stream is served
+            await asyncio.sleep(2 * delay_s)  # the gone stream's rows come out of the forward pass
+            await _ask(good, [2, 3])
+            assert server.servicer.rejected_invalid == 0
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert faults == [], [r.getMessage() for r in faults]
+
+
 def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Path) -> None:
     """The transition store sees a local stream's steps as it sees the Act RPC's."""
 

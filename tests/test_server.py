@@ -544,6 +544,52 @@ def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read
     run(main())
 
 
+@pytest.mark.parametrize("how", ["cancelled", "channel_closed"])
+def test_a_client_gone_with_rows_in_flight_frees_its_stream_and_the_others_go_on(
+    caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A client that goes away (its call cancelled, or its channel closed at once: a crash, a
+    kill) while its rows are in the forward pass. Its stream is closed and its slots and session
+    freed; the answers it no longer waits for are dropped, nothing is logged as a fault, and the
+    other stream is served throughout."""
+
+    async def main() -> None:
+        backend = EchoPolicy(OBS, ACT, delay_s=0.3)
+        async with (
+            running_server(backend, learner=TransitionConfig()) as server,
+            EdgeClient(server.address) as client,
+        ):
+            good = await _healthy_stream(client, "good")
+            await _round_trip(good)
+            channel = grpc.aio.insecure_channel(server.address)
+            try:
+                call = pb_grpc.EdgePolicyStub(channel).Act()
+                hello = pb.StreamHello(session_id="gone", num_envs=8, obs_shape=[OBS], max_inflight=2)
+                await call.write(pb.ActRequest(hello=hello))
+                for seq, lo in ((0, 0), (1, 4)):
+                    await call.write(_step(seq, list(range(lo, lo + 4)), np.zeros((4, OBS), np.float32)))
+                assert await waited(lambda: server.batcher.stats.requests >= 3, 5.0)  # in the forward pass
+                assert server.servicer.active_streams == 2
+                if how == "cancelled":
+                    assert call.cancel()
+                else:
+                    await channel.close(grace=None)
+                assert await waited(lambda: server.servicer.active_streams == 1, 5.0)
+                assert server.batcher.waited_streams == 1
+                for _ in range(3):
+                    await _round_trip(good)  # the other stream is served
+            finally:
+                await channel.close()
+            await asyncio.sleep(0.6)  # the gone stream's rows came out of the forward pass
+            await _round_trip(good)
+            assert server.servicer.rejected_invalid == 0
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert faults == [], [r.getMessage() for r in faults]
+
+
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     """A robot's link that dies without closing: with keepalive (1 s, 1 s to answer) the server
     ends its stream within seconds, also after an idle spell whose pings were answered (gRPC
