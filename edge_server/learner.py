@@ -13,7 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
-from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault
+from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault, write_message
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -57,7 +57,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
 
     async def StreamTransitions(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.TransitionAck], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.TransitionBatch]:
+    ) -> None:
         store = self.store
         generation = store.trainer_connected()
         bad_ack: list[str] = []
@@ -76,11 +76,11 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 for seg in segments:
                     n = seg.ByteSize()
                     if batch and size + n > self.max_batch_bytes:
-                        yield pb.TransitionBatch(segments=batch)
+                        await write_message(context, pb.TransitionBatch(segments=batch))
                         batch, size = [], 0
                     batch.append(seg)
                     size += n
-                yield pb.TransitionBatch(segments=batch)
+                await write_message(context, pb.TransitionBatch(segments=batch))
             if bad_ack:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad_ack[0])
             if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:

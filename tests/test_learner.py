@@ -277,6 +277,49 @@ def test_an_asyncio_trainer_whose_ack_is_refused_reads_the_refusal_with_acks_sti
     assert run(main()) == [refusal] * 100
 
 
+def test_a_trainer_gone_with_segments_unread_is_let_go_quietly_and_its_segments_resent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trainer that goes away (a crash, a kill) while the server's writes of its segments wait
+    for HTTP/2 flow control: gRPC logged "ExecuteBatchError raised in core by servicer method",
+    with a traceback, for a fault of the server's own, 5 times in 5 until write_message. Now its
+    stream ends without a word, and the next trainer gets every segment it left unacknowledged."""
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig()) as server:
+            store = server.store
+            assert store is not None
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=16, seed=3))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            try:  # 150 segments, ~1.5 KiB each: more than the trainer's 64 KiB window takes
+                assert await waited(lambda: store.next_seq > 150, timeout_s=60), store.next_seq
+                # with BDP probing off, the trainer's window stays at HTTP/2's initial 64 KiB
+                channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+                call = pb_grpc.LearnerStub(channel).StreamTransitions()
+                await call.write(pb.TransitionAck(acked_seq=0, window_steps=1 << 20, trainer_id="gone"))
+                await asyncio.sleep(0.3)  # the server writes until the window is full
+                await channel.close(grace=None)
+                await asyncio.sleep(0.3)  # the server learns that the trainer is gone
+                async with grpc.aio.insecure_channel(server.address) as again:
+                    call = pb_grpc.LearnerStub(again).StreamTransitions(timeout=30)
+                    await call.write(pb.TransitionAck(acked_seq=0, window_steps=1 << 20, trainer_id="next"))
+                    seqs: list[int] = []
+                    while len(seqs) < 150:
+                        seqs += [seg.seq for seg in (await call.read()).segments]
+                    assert seqs[:150] == list(range(1, 151))  # none acknowledged: all resent, in order
+            finally:
+                stop.set()
+                await sim
+                worker.close()
+            assert store.counters.segments_resent >= 1
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert faults == [], [r.getMessage() for r in faults]
+
+
 def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -544,31 +544,47 @@ def test_a_refused_stream_ends_once_its_client_is_quiet_so_grpc_aio_clients_read
     run(main())
 
 
-@pytest.mark.parametrize("how", ["cancelled", "channel_closed"])
-def test_a_client_gone_with_rows_in_flight_frees_its_stream_and_the_others_go_on(
+@pytest.mark.parametrize("how", ["cancelled", "channel_closed", "answers_unread"])
+def test_a_client_gone_mid_stream_frees_its_stream_and_the_others_go_on(
     caplog: pytest.LogCaptureFixture, how: str
 ) -> None:
-    """A client that goes away (its call cancelled, or its channel closed at once: a crash, a
-    kill) while its rows are in the forward pass. Its stream is closed and its slots and session
-    freed; the answers it no longer waits for are dropped, nothing is logged as a fault, and the
-    other stream is served throughout."""
+    """A client that goes away while the server still owes it answers: its rows in the forward
+    pass as its call is cancelled (``cancelled``) or its channel closed at once (a crash, a
+    kill: ``channel_closed``), or its answers unread, so that the server's writes wait for
+    HTTP/2 flow control as the channel closes (``answers_unread``; gRPC then logged
+    "ExecuteBatchError raised in core by servicer method", with a traceback, for a fault of the
+    server's own, until write_message). Its stream is closed and its slots and session freed,
+    nothing is logged as a fault, and the other stream is served throughout."""
+    unread = how == "answers_unread"
+    envs = 256 if unread else 8  # a full batch per step: 40 answers fill the 64 KiB window
+    # with BDP probing off, the client's window stays at HTTP/2's initial 64 KiB
+    options = [("grpc.http2.bdp_probe", 0)] if unread else []
+    config: dict[str, Any] = {} if unread else {"learner": TransitionConfig()}
 
     async def main() -> None:
-        backend = EchoPolicy(OBS, ACT, delay_s=0.3)
+        backend = EchoPolicy(OBS, ACT, delay_s=0.0 if unread else 0.3)
         async with (
-            running_server(backend, learner=TransitionConfig()) as server,
+            running_server(backend, **config) as server,
             EdgeClient(server.address) as client,
         ):
             good = await _healthy_stream(client, "good")
             await _round_trip(good)
-            channel = grpc.aio.insecure_channel(server.address)
+            stats = server.batcher.stats
+
+            async def dispatched(requests: int) -> bool:
+                return await waited(lambda: stats.requests >= requests, 5.0)
+
+            channel = grpc.aio.insecure_channel(server.address, options=options)
             try:
                 call = pb_grpc.EdgePolicyStub(channel).Act()
-                hello = pb.StreamHello(session_id="gone", num_envs=8, obs_shape=[OBS], max_inflight=2)
+                hello = pb.StreamHello(session_id="gone", num_envs=envs, obs_shape=[OBS], max_inflight=envs)
                 await call.write(pb.ActRequest(hello=hello))
-                for seq, lo in ((0, 0), (1, 4)):
-                    await call.write(_step(seq, list(range(lo, lo + 4)), np.zeros((4, OBS), np.float32)))
-                assert await waited(lambda: server.batcher.stats.requests >= 3, 5.0)  # in the forward pass
+                steps = [list(range(envs))] * 40 if unread else [[0, 1, 2, 3], [4, 5, 6, 7]]
+                for seq, ids in enumerate(steps):
+                    await call.write(_step(seq, ids, np.zeros((len(ids), OBS), np.float32)))
+                    if unread:  # one step a batch: answered (and written) in turn
+                        assert await dispatched(2 + seq)  # the good stream's step, then these
+                assert await dispatched(1 + len(steps))  # the gone stream's in the forward pass
                 assert server.servicer.active_streams == 2
                 if how == "cancelled":
                     assert call.cancel()
