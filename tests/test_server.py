@@ -10,6 +10,7 @@ import os
 import random
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -604,6 +605,30 @@ def test_a_client_gone_mid_stream_frees_its_stream_and_the_others_go_on(
         run(main())
     faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert faults == [], [r.getMessage() for r in faults]
+
+
+def test_a_failed_write_that_no_cancel_follows_is_raised_after_gone_wait_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other side of write_message (the test above has gRPC's cancel): where no cancel comes
+    within GONE_WAIT_S, the failure is raised, for gRPC to log and end the stream. A context
+    whose write fails stands in for gRPC here: no real stream fails a write without its client
+    gone."""
+
+    class FailingContext:
+        async def write(self, message: object) -> None:
+            raise RuntimeError("write failed")
+
+    monkeypatch.setattr(service, "GONE_WAIT_S", 0.05)
+
+    async def main() -> float:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="write failed"):
+            await service.write_message(FailingContext(), pb.ActResponse())
+        return time.monotonic() - start
+
+    took = run(main())
+    assert isinstance(took, float) and took >= 0.05
 
 
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
