@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: The largest policy version: versions travel as signed 64-bit integers on the local Act
+#: socket and network processes' frames and in the trainer's arrays, so a server refuses a
+#: publish of a larger one (as a backend built with one).
+MAX_VERSION = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class PolicyResult:
@@ -66,8 +71,8 @@ class PolicyBackend(abc.ABC):
         act_high: np.ndarray,
         version: int = 0,
     ) -> None:
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
+        if not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be in [0, 2**63 - 1], got {version}")
         self.obs_shape = tuple(obs_shape)
         self.act_shape = tuple(act_shape)
         self.act_low = np.asarray(act_low, dtype=np.float32).reshape(self.act_shape)

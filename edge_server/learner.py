@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 import numpy as np
 
-from edgerl.edge_server.backend import PolicyBackend
+from edgerl.edge_server.backend import MAX_VERSION, PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault, write_message
 from edgerl.edge_server.transitions import TransitionStore
@@ -107,6 +107,11 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         start = time.perf_counter_ns()
         backend = self.backend
         served = backend.version
+        if request.version > MAX_VERSION:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version: at most 2**63 - 1 ({MAX_VERSION}), got {request.version}",
+            )
         if request.version <= served:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

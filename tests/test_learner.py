@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +25,7 @@ from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
-from edgerl.trainer.feed import TransitionFeed, publish_weights
+from edgerl.trainer.feed import TransitionFeed, publish_weights, weights_request
 from edgerl.trainer.segments import segment_key
 from tests.helpers import FAULT_MESSAGE, act_once, free_port, inject_fault, run, running_server, waited
 
@@ -344,6 +346,63 @@ def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
         run(main())
     failed = [r for r in caplog.records if r.getMessage() == "trainer stream of generation 1 failed"]
     assert len(failed) == 1 and failed[0].exc_info is not None
+
+
+def test_a_version_past_int64_is_refused_and_the_largest_one_reaches_every_side(tmp_path: Path) -> None:
+    """Versions are signed 64-bit integers on the local socket's frames and in the trainer's
+    arrays. A publish of 2**63 was once applied, and every local stream then failed with
+    INTERNAL (its answer could not be packed): now it is refused naming ``version``, and
+    2**63 - 1 is served, stamped on a local stream's answers and on the trainer's segments."""
+    from edgerl.proto import frames
+    from edgerl.trainer.segments import EpisodeTracker, assemble
+
+    largest = 2**63 - 1
+
+    async def read_frame(reader: asyncio.StreamReader) -> bytes:
+        (n,) = frames.LENGTH.unpack(await reader.readexactly(frames.LENGTH.size))
+        return await reader.readexactly(n)
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        learner = TransitionConfig(segment_steps=2)
+        async with running_server(_backend(), learner=learner, local_socket=path) as server:
+            backend = server.servicer.backend
+            state = _backend(seed=5).policy.state_dict()
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.PublishWeights(weights_request(state, largest + 1))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert info.value.details() == f"version: at most 2**63 - 1 ({largest}), got {largest + 1}"
+                assert backend.version == 0
+                assert (await stub.PublishWeights(weights_request(state, largest))).applied
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                settings = {"session_id": "big", "num_envs": 2, "obs_shape": list(env_spec(ENV).obs_shape)}
+                writer.write(frames.frame(frames.CONFIG + json.dumps(settings).encode()))
+                assert (await read_frame(reader))[:1] == frames.UP
+                obs = np.zeros((2, *env_spec(ENV).obs_shape), np.float32)
+                rows = frames.ObsRows(
+                    np.arange(2, dtype=np.int32), obs, np.ones(2, np.float32), np.zeros((2, 3), np.uint8)
+                )
+                versions = []
+                for epoch in range(4):  # two segments of two steps per env
+                    writer.write(frames.encode_obs(epoch, rows))
+                    versions.append(frames.decode_answer(await read_frame(reader)).policy_version)
+            finally:
+                writer.close()
+            assert versions == [largest] * 4
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                call = pb_grpc.LearnerStub(channel).StreamTransitions(timeout=30)
+                await call.write(pb.TransitionAck(acked_seq=0, window_steps=1 << 20, trainer_id="test"))
+                batch = assemble(list((await call.read()).segments), None, EpisodeTracker())
+            assert len(batch.versions) >= 2 and batch.versions.tolist() == [largest] * len(batch.versions)
+
+    run(main())
+    spec = env_spec(ENV)  # nor can a server start at a version past it (a checkpoint's)
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0])
+    with pytest.raises(ValueError, match=rf"version must be in \[0, 2\*\*63 - 1\], got {largest + 1}$"):
+        TorchPolicyBackend(net, spec.act_low, spec.act_high, version=largest + 1)
 
 
 def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> None:
