@@ -128,6 +128,42 @@ def test_reconnect_flushes_completed_rows_and_counts_the_open_one() -> None:
     np.testing.assert_array_equal(tensors.decode(seg2.obs)[:, 0], list(range(3, 11)))
 
 
+def _row_bytes(store: TransitionStore) -> int:
+    """Bytes of the row buffers the store's sessions hold."""
+    arrays = [v for s in store._sessions.values() for v in vars(s).values() if isinstance(v, np.ndarray)]
+    return sum(a.nbytes for a in arrays)
+
+
+def test_a_closed_session_frees_its_rows_and_a_later_stream_goes_on_with_its_episodes() -> None:
+    """A session whose stream closed keeps its envs' episode counters only (a sim worker's
+    session is its host and pid: each start makes a new one); a stream that takes it over later
+    gets fresh buffers, its segments numbered on from where the last one ended."""
+    store = _store(segment_steps=4)
+    h = store.open_stream("s", 2)
+    for k in range(6):
+        _step(store, h, [0, 1], k)
+    held = _row_bytes(store)
+    store.close_stream(h)  # rows 4 and 5 completed; the open row of message 5 dropped
+    assert [(s.env_id, s.t, len(s.rewards)) for s in _drain(store)] == [
+        (0, 0, 4),
+        (1, 0, 4),
+        (0, 4, 1),
+        (1, 4, 1),
+    ]
+    closed = _row_bytes(store)
+    assert closed == 2 * 3 * 8  # per env: its episode, its step in it, its sync quota (int64s)
+    _step(store, h, [0, 1], 99)  # a late answer of the closed stream is not recorded
+    assert _row_bytes(store) == closed
+    h2 = store.open_stream("s", 2)
+    for k in range(6, 11):
+        _step(store, h2, [0, 1], k)
+    segs = _drain(store)
+    assert [(s.env_id, s.episode, s.t) for s in segs] == [(0, 0, 6), (1, 0, 6)]  # one step lost
+    np.testing.assert_array_equal(tensors.decode(segs[0].obs)[:, 0], [6, 7, 8, 9])
+    store.close_stream(h)  # the first stream's handle, spent: nothing changes
+    assert _row_bytes(store) == held
+
+
 def test_window_resend_and_ack() -> None:
     store = _store(segment_steps=2)
     h = store.open_stream("s", 4)
