@@ -23,7 +23,7 @@ from edgerl.edge_server.batcher import (
     TooManyInflightError,
     percentile,
 )
-from edgerl.edge_server.transitions import EnvBusyError, StreamHandle, TransitionStore
+from edgerl.edge_server.transitions import EnvBusyError, SessionTakenOverError, StreamHandle, TransitionStore
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
@@ -117,7 +117,14 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
 
 
 #: What a stream's step can be refused with, before it reaches the batcher (see step_refusal).
-STEP_REFUSALS = (InvalidRequestError, EnvBusyError, TooManyInflightError, QueueFullError, BatcherClosedError)
+STEP_REFUSALS = (
+    InvalidRequestError,
+    EnvBusyError,
+    SessionTakenOverError,
+    TooManyInflightError,
+    QueueFullError,
+    BatcherClosedError,
+)
 
 
 def step_refusal(exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
@@ -127,6 +134,8 @@ def step_refusal(exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
         return exc.code, exc.message, True
     if isinstance(exc, (EnvBusyError, TooManyInflightError)):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), True
+    if isinstance(exc, SessionTakenOverError):
+        return grpc.StatusCode.ABORTED, str(exc), False
     code, message = answer_failure(exc)
     return code, message, False
 

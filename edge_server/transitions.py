@@ -105,6 +105,11 @@ class EnvBusyError(Exception):
     """A step named an env whose previous request is still unanswered."""
 
 
+class SessionTakenOverError(Exception):
+    """A step came on a stream whose session a newer stream took over (two live clients with
+    one session id: each would have its steps served and half the transitions dropped)."""
+
+
 class _Session:
     """One client session (one stream's envs): its envs' episode counters, kept for the streams
     that take it over, and the row buffers, held while a stream has it open."""
@@ -197,8 +202,10 @@ class TransitionStore:
         """Claim a session's buffers for a new stream (a reconnect takes over the old one)."""
         s = self._sessions.get(session_id)
         if s is None or s.num_envs != num_envs:
-            if s is not None and s.rows_held:
-                self._flush(s)
+            if s is not None:
+                if s.rows_held:
+                    self._flush(s)
+                s.generation += 1  # its stream's handle is spent
             s = _Session(session_id, num_envs, self.config.segment_steps, self.obs_shape)
             self._sessions[session_id] = s
         elif s.rows_held:
@@ -248,10 +255,14 @@ class TransitionStore:
 
         Raises:
             EnvBusyError: an env in ``env_ids`` still waits for its previous action.
+            SessionTakenOverError: a newer stream took the session over.
         """
         s = handle.session
         if handle.generation != s.generation:
-            return
+            raise SessionTakenOverError(
+                f"session_id: {s.session_id!r} was taken over by a newer stream with this session "
+                "id (do two clients share it?)"
+            )
         busy = s.awaiting[env_ids]
         if busy.any():
             raise EnvBusyError(

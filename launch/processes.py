@@ -19,6 +19,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -690,7 +691,9 @@ class WorkerFleet:
         cfg = self.config
         envs = cfg.num_envs - self.backfill_envs
         bounds = [envs * i // self.num_workers for i in range(self.num_workers + 1)]
-        name = cfg.session_id or "sim"
+        # a fleet without a session id is its host and pid: two fleets (say, on two machines)
+        # against one server would otherwise share "sim/worker-0" and take each other's over
+        name = cfg.session_id or f"{socket.gethostname()}/{os.getpid()}"
 
         def steps(n: int) -> int:  # a worker's share of max_steps, by its envs
             return cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0

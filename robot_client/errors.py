@@ -48,6 +48,12 @@ class ResourceExhaustedError(RpcError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class AbortedError(RpcError):
+    """The server ended the stream on a conflict: a newer stream took its session over."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DeadlineExceededError(RpcError):
     """No answer within the call's deadline."""
 
@@ -82,6 +88,7 @@ _BY_CODE: dict[grpc.StatusCode, type[RpcError]] = {
         InvalidArgumentError,
         FailedPreconditionError,
         ResourceExhaustedError,
+        AbortedError,
         DeadlineExceededError,
         UnauthenticatedError,
         PermissionDeniedError,

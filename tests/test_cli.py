@@ -417,8 +417,10 @@ def test_an_unknown_env_is_refused_before_a_server_starts() -> None:
 def test_a_server_or_worker_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
     # a server that cannot start: test_checkpoints' mislabeled checkpoint
     line = _failed("sim", "--server", "127.0.0.1:1", "--env", "NoSuchEnv-v0", "--envs", "2")
-    said = "edgerl: error: a sim worker process ended (exit code 1); sim/worker-0: ValueError"
-    assert line.startswith(said), line
+    # the worker is named by its session: the fleet's host and pid, and its number
+    host = re.escape(socket.gethostname())
+    said = rf"edgerl: error: a sim worker process ended \(exit code 1\); {host}/\d+/worker-0: ValueError"
+    assert re.match(said, line), line
     assert "env 'NoSuchEnv-v0'" in line
     # the server refuses the worker (its envs are not the served ones): the refusal is the reason
     spec = env_spec("HalfCheetah-v5")
@@ -635,6 +637,39 @@ def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> N
     assert code == 130 and err.rstrip().endswith("edgerl: interrupted"), err  # nothing ran: no summary
     assert "Traceback" not in err, err
     assert took < 40.0, f"{took:.1f}s"  # a few seconds to start and say so, not a 60 s attempt
+
+
+def test_two_sims_against_one_server_keep_their_own_sessions() -> None:
+    """Two `edgerl sim` runs against one training server, as from two machines: each fleet's
+    workers are named by its host and pid. Both were "sim/worker-0", and the second run's stream
+    took the first's session over: the first was served on, its transitions dropped without a
+    word (now it would be ended with ABORTED)."""
+    from edgerl.edge_server.transitions import TransitionConfig
+
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=1), spec.act_low, spec.act_high)
+    with ServerThread(
+        backend, env_name="InvertedPendulum-v5", learner=TransitionConfig(overflow="drop")
+    ) as server:
+        args = [
+            "sim",
+            "--server",
+            server.address,
+            "--env",
+            "InvertedPendulum-v5",
+            "--envs",
+            "2",
+            "--steps",
+            "3000",
+        ]
+        runs = [subprocess.Popen([*EDGERL, *args], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        errs = [run.communicate(timeout=120)[1] for run in runs]
+        outcomes = [(run.returncode, err) for run, err in zip(runs, errs, strict=True)]
+        assert server.server is not None and server.server.store is not None
+        sessions = set(server.server.store._sessions)
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    host = re.escape(socket.gethostname())
+    assert len(sessions) == 2 and all(re.fullmatch(rf"{host}/\d+/worker-0", s) for s in sessions), sessions
 
 
 def test_sim_needs_a_server_or_a_local_socket() -> None:

@@ -631,6 +631,41 @@ def test_a_failed_write_that_no_cancel_follows_is_raised_after_gone_wait_s(
     assert isinstance(took, float) and took >= 0.05
 
 
+def test_a_stream_whose_session_a_newer_stream_took_over_is_aborted_and_the_newer_one_goes_on() -> None:
+    """Two live clients with one session id: the newer stream takes the session over (as a
+    reconnect does), and the older one's next step ends it with ABORTED naming the session id.
+    It was served on, its steps' transitions dropped without a word: 76 of 160 env steps
+    reached the trainer when two such clients took turns."""
+
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=2)
+        async with (
+            running_server(EchoPolicy(OBS, ACT), learner=learner) as server,
+            EdgeClient(server.address) as client,
+        ):
+            store = server.store
+            assert store is not None
+            older = await _healthy_stream(client, "twin")
+            await _round_trip(older)
+            newer = await _healthy_stream(client, "twin")
+            await _round_trip(newer)
+            obs = np.ones((4, OBS), np.float32)
+            await older.send([0, 1, 2, 3], obs, np.zeros(4), np.zeros(4, bool), np.zeros(4, bool))
+            with pytest.raises(errors.AbortedError) as info:
+                await older.recv()
+            assert info.value.details == (
+                "session_id: 'twin' was taken over by a newer stream with this session id "
+                "(do two clients share it?)"
+            )
+            before = store.counters.transitions
+            for _ in range(3):
+                await _round_trip(newer)
+            assert store.counters.transitions == before + 3 * 4  # every step of the newer one
+            assert server.servicer.rejected_invalid == 0
+
+    run(main())
+
+
 def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
     """A robot's link that dies without closing: with keepalive (1 s, 1 s to answer) the server
     ends its stream within seconds, also after an idle spell whose pings were answered (gRPC

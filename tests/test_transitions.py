@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.batcher import BatchResult
-from edgerl.edge_server.transitions import EnvBusyError, StreamHandle, TransitionConfig, TransitionStore
+from edgerl.edge_server.transitions import (
+    EnvBusyError,
+    SessionTakenOverError,
+    StreamHandle,
+    TransitionConfig,
+    TransitionStore,
+)
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 
@@ -120,7 +126,9 @@ def test_reconnect_flushes_completed_rows_and_counts_the_open_one() -> None:
     assert len(seg.rewards) == 2
     np.testing.assert_array_equal(tensors.decode(seg.bootstrap_obs), [2, 0, 0])
     assert store.counters.transitions_dropped_disconnect == 1
-    _step(store, h, [0], 99)  # the old stream's late writes are ignored
+    with pytest.raises(SessionTakenOverError, match=r"^session_id: 's' was taken over by a newer stream"):
+        _step(store, h, [0], 99)  # the old stream's late steps are refused (it would lose them)
+    store.record(h, np.array([0]), BatchResult(np.ones((1, 1), np.float32), np.zeros(1), None, 0, 0, 0, 1))
     for k in range(3, 12):
         _step(store, h2, [0], k)
     (seg2,) = _drain(store)
@@ -152,7 +160,8 @@ def test_a_closed_session_frees_its_rows_and_a_later_stream_goes_on_with_its_epi
     ]
     closed = _row_bytes(store)
     assert closed == 2 * 3 * 8  # per env: its episode, its step in it, its sync quota (int64s)
-    _step(store, h, [0, 1], 99)  # a late answer of the closed stream is not recorded
+    late = BatchResult(np.ones((2, 1), np.float32), np.zeros(2), None, 0, 0, 0, 2)
+    store.record(h, np.array([0, 1]), late)  # a late answer of the closed stream is not recorded
     assert _row_bytes(store) == closed
     h2 = store.open_stream("s", 2)
     for k in range(6, 11):
