@@ -218,7 +218,7 @@ class TransitionStore:
     def close_stream(self, handle: StreamHandle) -> None:
         """The stream ended: hand over completed rows, count the half-built ones as dropped, and
         free the session's row buffers (its episode counters stay, for the stream that takes it
-        over). A sim worker's session is its host and pid: a new one at each start, where the
+        over). A sim fleet's sessions are named by its host and pid, new ones at each start; the
         buffers of every closed session were once kept, 127 KB for 32 HalfCheetah envs."""
         s = handle.session
         if handle.generation == s.generation:
