@@ -86,6 +86,14 @@ class LearnerServicer(pb_grpc.LearnerServicer):
             if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
                 # a fault of the server's own: said, where the stream once ended as if all was well
                 await context.abort(*own_fault(log, f"trainer stream of generation {generation}", exc))
+            if not store.is_current_trainer(generation):
+                # said, where the stream once ended as if all was well: a second trainer against
+                # this server reconnected, took the stream back, and the two took turns for good
+                await context.abort(
+                    grpc.StatusCode.ABORTED,
+                    "a newer trainer stream took the transitions over (is a second trainer "
+                    "connected to this server?)",
+                )
         finally:
             reader.cancel()
             log.info("trainer stream ended (generation %d)", generation)

@@ -144,6 +144,45 @@ def test_segments_resent_after_a_trainer_reconnect_are_taken_once() -> None:
     run(main())
 
 
+def test_a_trainer_whose_stream_a_second_trainer_took_over_fails_with_aborted() -> None:
+    """Two trainers against one server: the newer takes the transition stream over, and the
+    older one's stream ends with ABORTED saying why, which its feed raises. It ended with OK:
+    the older trainer reconnected, took the stream back, and the two took turns for good (23
+    reconnects each in 3 s), each training on about half of the transitions."""
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
+            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
+            stop = threading.Event()
+            sim = asyncio.ensure_future(worker.run(stop.is_set))
+            older = TransitionFeed(server.address, window_steps=64, trainer_id="older").start()
+            newer: TransitionFeed | None = None
+            try:
+                await _in_thread(older.take, 16)
+                newer = TransitionFeed(server.address, window_steps=64, trainer_id="newer").start()
+                deadline = time.monotonic() + 30.0
+                with pytest.raises(errors.AbortedError) as info:  # or take() gives None at the deadline
+                    while await _in_thread(older.take, 4, lambda: time.monotonic() > deadline) is not None:
+                        pass
+                assert info.value.details == (
+                    "a newer trainer stream took the transitions over (is a second trainer "
+                    "connected to this server?)"
+                )
+                for _ in range(3):  # the newer one takes on
+                    taken = await _in_thread(newer.take, 16)
+                    newer.ack(max(seg.seq for seg in taken))
+                assert (older.reconnects, newer.reconnects) == (0, 0)
+            finally:
+                stop.set()
+                await sim
+                worker.close()
+                await _in_thread(older.close)
+                if newer is not None:
+                    await _in_thread(newer.close)
+
+    run(main())
+
+
 def test_acks_given_just_before_close_reach_the_server() -> None:
     """close() ends the request stream and lets the server read it to the end instead of
     cancelling the call under the last acknowledgement; a feed whose server never answers
