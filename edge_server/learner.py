@@ -37,6 +37,14 @@ def decode_weights(msg: Mapping[str, pb.Tensor]) -> dict[str, np.ndarray]:
     return out
 
 
+class _OvertakenError(Exception):
+    """A publish that one of a newer version, sent beside it, overtook."""
+
+
+def _not_newer(version: int, served: int) -> str:
+    return f"version: must be greater than the served version {served}, got {version}"
+
+
 class LearnerServicer(pb_grpc.LearnerServicer):
     """Serves one trainer at a time; a newly connected trainer takes over."""
 
@@ -120,24 +128,39 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"version: at most 2**63 - 1 ({MAX_VERSION}), got {request.version}",
             )
-        if request.version <= served:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"version: must be greater than the served version {served}, got {request.version}",
-            )
-        if request.version - served < self.weight_sync_interval:
+        version = request.version
+        if version <= served:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_newer(version, served))
+        if version - served < self.weight_sync_interval:
             return pb.PublishWeightsResponse(policy_version=served, applied=False)
         try:
             weights = decode_weights(request.tensors)
         except tensors.TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        version = request.version
+
+        def swap() -> int:
+            """The version served after this publish: the checks again, on the inference thread,
+            where swaps run one at a time (a publish of a newer version, sent beside this one,
+            may have been swapped in while this one waited: it was then overwritten by this
+            older one, and the served version went back, 20 times in 20 such pairs)."""
+            now = backend.version
+            if version <= now:
+                raise _OvertakenError(_not_newer(version, now))
+            if version - now < self.weight_sync_interval:
+                return now
+            backend.load_weights(weights, version)
+            return version
+
         try:
-            await self.batcher.run_between_batches(lambda: backend.load_weights(weights, version))
+            now = await self.batcher.run_between_batches(swap)
+        except _OvertakenError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (KeyError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).strip('"'))
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        if now != version:
+            return pb.PublishWeightsResponse(policy_version=now, applied=False)
         self.store.published()
         self.last_swap_us = (time.perf_counter_ns() - start) // 1000
         return pb.PublishWeightsResponse(policy_version=version, applied=True, swap_us=self.last_swap_us)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -442,6 +443,40 @@ def test_a_version_past_int64_is_refused_and_the_largest_one_reaches_every_side(
     net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0])
     with pytest.raises(ValueError, match=rf"version must be in \[0, 2\*\*63 - 1\], got {largest + 1}$"):
         TorchPolicyBackend(net, spec.act_low, spec.act_high, version=largest + 1)
+
+
+def test_a_publish_overtaken_by_a_newer_one_sent_beside_it_is_refused_and_the_version_never_goes_back() -> (
+    None
+):
+    """Publishes of versions v+2 and v+1 sent at once: each was checked against the served
+    version when it arrived and swapped in after, so v+1 overwrote v+2 and the served version
+    went back (20 times in 20 such pairs). The check is made again where the swaps run, one at
+    a time: the older one is refused, or it went first and the newer one follows it."""
+    not_newer = re.compile(r"version: must be greater than the served version (\d+), got (\d+)")
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig()) as server:
+            backend = server.servicer.backend
+            state = _backend(seed=5).policy.state_dict()
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                for newer in range(2, 41, 2):
+                    answers = await asyncio.gather(
+                        stub.PublishWeights(weights_request(state, newer)),
+                        stub.PublishWeights(weights_request(state, newer - 1)),
+                        return_exceptions=True,
+                    )
+                    assert backend.version == newer  # the newer one is served, whatever the order
+                    assert isinstance(answers[0], pb.PublishWeightsResponse) and answers[0].applied
+                    older = answers[1]
+                    if isinstance(older, grpc.aio.AioRpcError):  # it came second
+                        assert older.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        match = not_newer.fullmatch(older.details() or "")
+                        assert match is not None and match.groups() == (str(newer), str(newer - 1))
+                    else:  # it came first
+                        assert isinstance(older, pb.PublishWeightsResponse) and older.applied
+
+    run(main())
 
 
 def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> None:
