@@ -138,29 +138,24 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         except tensors.TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-        def swap() -> int:
-            """The version served after this publish: the checks again, on the inference thread,
-            where swaps run one at a time (a publish of a newer version, sent beside this one,
-            may have been swapped in while this one waited: it was then overwritten by this
-            older one, and the served version went back, 20 times in 20 such pairs)."""
+        def swap() -> None:
+            """The version check again, on the inference thread, where swaps run one at a time:
+            a publish of a newer version, sent beside this one, may have been swapped in while
+            this one waited (it was then overwritten by this older one, and the served version
+            went back, 20 times in 20 such pairs)."""
             now = backend.version
             if version <= now:
                 raise _OvertakenError(_not_newer(version, now))
-            if version - now < self.weight_sync_interval:
-                return now
             backend.load_weights(weights, version)
-            return version
 
         try:
-            now = await self.batcher.run_between_batches(swap)
+            await self.batcher.run_between_batches(swap)
         except _OvertakenError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except (KeyError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc).strip('"'))
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
-        if now != version:
-            return pb.PublishWeightsResponse(policy_version=now, applied=False)
         self.store.published()
         self.last_swap_us = (time.perf_counter_ns() - start) // 1000
         return pb.PublishWeightsResponse(policy_version=version, applied=True, swap_us=self.last_swap_us)
