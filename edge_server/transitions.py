@@ -260,8 +260,8 @@ class TransitionStore:
         s = handle.session
         if handle.generation != s.generation:
             raise SessionTakenOverError(
-                f"session_id: {s.session_id!r} was taken over by a newer stream with this session "
-                "id (do two clients share it?)"
+                f"session_id: {s.session_id!r} was taken over by a newer stream with the same id "
+                "(do two clients share it?)"
             )
         busy = s.awaiting[env_ids]
         if busy.any():

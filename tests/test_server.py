@@ -654,7 +654,7 @@ def test_a_stream_whose_session_a_newer_stream_took_over_is_aborted_and_the_newe
             with pytest.raises(errors.AbortedError) as info:
                 await older.recv()
             assert info.value.details == (
-                "session_id: 'twin' was taken over by a newer stream with this session id "
+                "session_id: 'twin' was taken over by a newer stream with the same id "
                 "(do two clients share it?)"
             )
             before = store.counters.transitions
