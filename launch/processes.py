@@ -19,7 +19,6 @@ import multiprocessing.connection
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.server import BindError, ServerConfig
+from edgerl.robot_client.keeper import host_session_id
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.watchdog.sched import idle_priority, no_wakeup_preemption, thread_ids
 
@@ -693,7 +693,7 @@ class WorkerFleet:
         bounds = [envs * i // self.num_workers for i in range(self.num_workers + 1)]
         # a fleet without a session id is its host and pid: two fleets (say, on two machines)
         # against one server would otherwise share "sim/worker-0" and take each other's over
-        name = cfg.session_id or f"{socket.gethostname()}/{os.getpid()}"
+        name = cfg.session_id or host_session_id()
 
         def steps(n: int) -> int:  # a worker's share of max_steps, by its envs
             return cfg.max_steps * n // cfg.num_envs if cfg.max_steps else 0

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import random
+import socket
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +90,12 @@ class StreamSettings:
             act_shape=None if act_shape is None else tuple(act_shape),
             backfill=backfill,
         )
+
+
+def host_session_id() -> str:
+    """The session id of a client given none: its host and process id, new at each start, so
+    that two clients (on two machines, or two runs on one) never share a session."""
+    return f"{socket.gethostname()}/{os.getpid()}"
 
 
 def check_cpus(config: Any, *names: str) -> None:

@@ -41,7 +41,6 @@ import gc
 import heapq
 import logging
 import math
-import os
 import random
 import select
 import selectors
@@ -58,7 +57,7 @@ import numpy as np
 from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus
+from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus, host_session_id
 from edgerl.robot_client.robot import Reading, Robot, RobotKind, RobotState
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.clock import Clock, MonotonicClock
@@ -742,11 +741,7 @@ class RobotHost:
         self.config = config
         # a robot without a name (``edgerl robot`` names a lone robot "") gets host/pid too: the
         # server refuses an empty session id, and the stream would be refused and reopened forever
-        self.session_id = (
-            session_id
-            or (robots[0].name if len(robots) == 1 else "")
-            or f"{socket.gethostname()}/{os.getpid()}"
-        )
+        self.session_id = session_id or (robots[0].name if len(robots) == 1 else "") or host_session_id()
         self.clock: Clock = clock or MonotonicClock()
         self.links = [RobotLink(i, r, config, self.clock, on_tick) for i, r in enumerate(robots)]
         kind = self.kind

@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import random
 import socket
 import subprocess
@@ -32,7 +31,7 @@ import numpy as np
 from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
-from edgerl.robot_client.keeper import StreamSettings, check_cpus
+from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.envs import make_vector_env
 
@@ -178,7 +177,7 @@ class SimWorker:
     def __init__(self, config: SimWorkerConfig, progress: WorkerProgress | None = None) -> None:
         self.config = cfg = config
         self.progress = progress or WorkerProgress()
-        self.session_id = cfg.session_id or f"{socket.gethostname()}/{os.getpid()}"
+        self.session_id = cfg.session_id or host_session_id()
         bounds = [cfg.num_envs * i // cfg.groups for i in range(cfg.groups + 1)]
         self._groups = [
             _Group(cfg.env_name, list(range(lo, hi)), cfg.seed + lo) for lo, hi in itertools.pairwise(bounds)
