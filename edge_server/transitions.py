@@ -149,7 +149,10 @@ class _Session:
         """Row ``pos`` has its action and waits for its reward."""
         self.seg_episode: np.ndarray = np.zeros(e, np.int64)
         self.seg_t: np.ndarray = np.zeros(e, np.int64)
-        self.rows_held = True
+
+    @property
+    def rows_held(self) -> bool:
+        return self.pos is not _NO_ROWS
 
     def drop_rows(self) -> None:
         """Free the row buffers of a session no stream has open (flushed: they hold nothing)."""
@@ -158,7 +161,6 @@ class _Session:
         self.terminated = self.truncated = self.fallback = self.autoreset = none
         self.pos = self.awaiting = self.has_action = self.seg_episode = self.seg_t = none
         self.actions = None
-        self.rows_held = False
 
 
 _NO_ROWS = np.zeros(0)
