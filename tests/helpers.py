@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import math
 import os
 import socket
@@ -253,6 +254,15 @@ def run(coro: object, timeout_s: float = 120.0) -> object:
         return await asyncio.wait_for(coro, timeout_s)  # type: ignore[arg-type]
 
     return asyncio.run(bounded())
+
+
+def run_without_warnings(coro: object, caplog: pytest.LogCaptureFixture) -> None:
+    """:func:`run` ``coro``, then assert that nothing was logged at WARNING or above (by edgerl,
+    gRPC or asyncio): for a case the server must take in its stride."""
+    with caplog.at_level(logging.WARNING):
+        run(coro)
+    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert faults == [], [r.getMessage() for r in faults]
 
 
 class ServerThread:

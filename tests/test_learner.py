@@ -28,7 +28,16 @@ from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.feed import TransitionFeed, publish_weights, weights_request
 from edgerl.trainer.segments import segment_key
-from tests.helpers import FAULT_MESSAGE, act_once, free_port, inject_fault, run, running_server, waited
+from tests.helpers import (
+    FAULT_MESSAGE,
+    act_once,
+    free_port,
+    inject_fault,
+    run,
+    run_without_warnings,
+    running_server,
+    waited,
+)
 
 ENV = "InvertedPendulum-v5"
 
@@ -356,10 +365,7 @@ def test_a_trainer_gone_with_segments_unread_is_let_go_quietly_and_its_segments_
                 worker.close()
             assert store.counters.segments_resent >= 1
 
-    with caplog.at_level(logging.WARNING):
-        run(main())
-    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert faults == [], [r.getMessage() for r in faults]
+    run_without_warnings(main(), caplog)
 
 
 def test_a_fault_of_the_server_on_the_trainer_stream_ends_it_with_internal(
