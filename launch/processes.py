@@ -2,7 +2,7 @@
 
 Processes are spawned (never forked: torch and gRPC hold threads), the
 server reports its bound port through a pipe, and every process shuts down
-gracefully on ``stop()`` (SIGTERM for the server, a shared event for
+gracefully on ``stop()`` (SIGTERM for the server, a shared flag for
 workers) before being killed as a last resort.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import itertools
@@ -24,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from multiprocessing.sharedctypes import Synchronized
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError)
 
 _CTX = mp.get_context("spawn")
+
+#: Episodes per message on a sim worker's episode queue. A message (a 4-byte header and the
+#: pickle, 16 bytes an episode: 2,068 bytes in all) then stays under PIPE_BUF (4,096 bytes on
+#: Linux): the pipe takes it whole or not at all, and a worker killed while it writes one leaves no
+#: half message for the fleet to wait for the rest of.
+EPISODES_PER_MESSAGE = 128
 
 
 def configure_logging(level: str = "WARNING") -> None:
@@ -544,29 +550,16 @@ def yield_helper_threads(keep: int, done: set[int]) -> None:
         no_wakeup_preemption(tid)
 
 
-def _worker_main(
-    config: SimWorkerConfig,
-    steps: Synchronized[int],
-    episodes: Any,
-    stop: Any,
-    log_level: str,
-    *,
-    errors: Any,
-    built: Any,
-) -> None:
-    """A sim worker's process. Its error, if it fails, goes to ``errors`` (a SimpleQueue) for the
-    fleet to report (see :func:`_reported`)."""
+def _worker_main(config: SimWorkerConfig, link: WorkerLink, stop: SharedFlag, log_level: str) -> None:
+    """A sim worker's process. Its error, if it fails, goes to its ``link`` for the fleet to
+    report (see :func:`_reported`)."""
     from edgerl.robot_client.errors import EdgeRLError
 
-    with _reported(
-        lambda line: errors.put(f"{config.session_id}: {line}"), quiet=(*USER_ERRORS, EdgeRLError)
-    ):
-        _run_worker(config, steps, episodes, stop, log_level, built=built)
+    with _reported(lambda line: link.say(f"{config.session_id}: {line}"), quiet=(*USER_ERRORS, EdgeRLError)):
+        _run_worker(config, link, stop, log_level)
 
 
-def _run_worker(
-    config: SimWorkerConfig, steps: Synchronized[int], episodes: Any, stop: Any, log_level: str, *, built: Any
-) -> None:
+def _run_worker(config: SimWorkerConfig, link: WorkerLink, stop: SharedFlag, log_level: str) -> None:
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
 
     configure_logging(log_level)
@@ -577,17 +570,15 @@ def _run_worker(
         idle_priority()
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
-    built.set()  # its envs are built: what it waits for now is its server
+    link.built.set()  # its envs are built: what it waits for now is its server
     sent = 0
 
     def report() -> None:
         nonlocal sent
-        steps.value = progress.steps
+        link.steps.value = progress.steps
         n = len(progress.episode_returns)
         if n > sent:
-            episodes.put(
-                list(zip(progress.episode_returns[sent:n], progress.episode_lengths[sent:n], strict=True))
-            )
+            link.send_episodes(progress.episode_returns[sent:n], progress.episode_lengths[sent:n])
             sent = n
 
     async def main() -> None:
@@ -614,6 +605,64 @@ def _run_worker(
             asyncio.run(main())
     finally:
         worker.close()
+
+
+class SharedFlag:
+    """A flag that one process sets and others read, in shared memory and without a lock.
+
+    A multiprocessing ``Event`` takes a lock to be read as well as set. A sim worker reads its stop
+    flag at every step, and one killed meanwhile (SIGKILL: the OOM killer's way) held that lock for
+    good: its fleet's ``stop()`` then waited for it forever."""
+
+    def __init__(self) -> None:
+        self._value = _CTX.RawValue(ctypes.c_bool, False)
+
+    def set(self) -> None:
+        self._value.value = True
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
+class WorkerLink:
+    """What one sim worker process shares with its fleet, none of it behind a lock that another
+    process takes: a worker killed at any point (SIGKILL) leaves its fleet and the other workers
+    nothing held. Its step count and its built flag are shared memory without a lock; its episodes
+    and its error line go through queues of its own. (Workers once shared one episode queue, whose
+    write lock a worker killed mid-write kept from the others.)"""
+
+    def __init__(self) -> None:
+        self.steps = _CTX.RawValue(ctypes.c_int64, 0)
+        self.built = SharedFlag()  # set once its envs are built
+        self._episodes: Any = _CTX.Queue()
+        self._errors: Any = _CTX.SimpleQueue()  # what the worker said when it failed, one line
+
+    def send_episodes(self, returns: Sequence[float], lengths: Sequence[int]) -> None:
+        """Queue finished episodes for the fleet (the worker's side), in messages of at most
+        :data:`EPISODES_PER_MESSAGE`."""
+        episodes = [(float(r), int(n)) for r, n in zip(returns, lengths, strict=True)]
+        for i in range(0, len(episodes), EPISODES_PER_MESSAGE):
+            self._episodes.put(episodes[i : i + EPISODES_PER_MESSAGE])
+
+    def take_episodes(self) -> list[tuple[float, int]]:
+        """The episodes queued since the last call, as (return, length); never waits."""
+        new: list[tuple[float, int]] = []
+        while True:
+            try:
+                new.extend(self._episodes.get_nowait())
+            except queue.Empty:
+                return new
+
+    def say(self, line: str) -> None:
+        """Tell the fleet why the worker failed (the worker's side)."""
+        self._errors.put(line)
+
+    def said(self) -> list[str]:
+        """What the worker said when it failed: one line, or none."""
+        lines = []
+        while not self._errors.empty():
+            lines.append(self._errors.get())
+        return lines
 
 
 def fleet_groups(groups: int, num_envs: int, num_workers: int) -> int:
@@ -677,11 +726,8 @@ class WorkerFleet:
         self.log_level = log_level
         self.worker_cpus = tuple(worker_cpus)
         self.backfill_envs = backfill_envs
-        self._stop = _CTX.Event()
-        self._episodes: Any = _CTX.Queue()
-        self._errors: Any = _CTX.SimpleQueue()  # what failed workers said, one line each
-        self._steps: list[Synchronized[int]] = []
-        self._built: list[Any] = []  # per worker: set once its envs are built
+        self._stop = SharedFlag()
+        self._links: list[WorkerLink] = []  # per worker, in worker order
         self._procs: list[Any] = []
         self.episode_returns: list[float] = []
         self.episode_lengths: list[int] = []
@@ -729,22 +775,19 @@ class WorkerFleet:
 
     def start(self) -> None:
         for i, wcfg in enumerate(self._configs()):
-            steps: Synchronized[int] = _CTX.Value("q", 0)  # type: ignore[assignment,unused-ignore]
-            built = _CTX.Event()
+            link = WorkerLink()
             proc = _CTX.Process(
                 target=_worker_main,
-                args=(wcfg, steps, self._episodes, self._stop, self.log_level),
-                kwargs={"errors": self._errors, "built": built},
+                args=(wcfg, link, self._stop, self.log_level),
                 name=f"edgerl-sim-{i}",
                 daemon=True,
             )
             proc.start()
-            self._steps.append(steps)
-            self._built.append(built)
+            self._links.append(link)
             self._procs.append(proc)
 
     def total_steps(self) -> int:
-        return int(sum(s.value for s in self._steps))
+        return sum(self.worker_steps())
 
     @property
     def pids(self) -> list[int]:
@@ -763,21 +806,14 @@ class WorkerFleet:
         codes = self.failed()
         if not codes:
             return
-        said = []
-        while not self._errors.empty():
-            said.append(self._errors.get())
+        said = [line for link in self._links for line in link.said()]
         ended = ", ".join(exit_words(code) for code in codes)
         which = "a sim worker process" if len(codes) == 1 else f"{len(codes)} sim worker processes"
         raise WorkerError(f"{which} ended ({ended})" + "".join(f"; {s}" for s in said))
 
     def poll_episodes(self) -> list[tuple[float, int]]:
         """Episodes finished since the last call, as (return, length)."""
-        new: list[tuple[float, int]] = []
-        while True:
-            try:
-                new.extend(self._episodes.get_nowait())
-            except queue.Empty:
-                break
+        new = [episode for link in self._links for episode in link.take_episodes()]
         for ret, length in new:
             self.episode_returns.append(ret)
             self.episode_lengths.append(length)
@@ -785,7 +821,7 @@ class WorkerFleet:
 
     def worker_steps(self) -> list[int]:
         """Env steps taken so far by each worker."""
-        return [int(s.value) for s in self._steps]
+        return [int(link.steps.value) for link in self._links]
 
     def wait_started(
         self,
@@ -813,10 +849,10 @@ class WorkerFleet:
         started = all if every else any
         noted: set[str] = set()  # the waits said once each: "build", then "server"
         built_at: float | None = None
-        while not started(s.value > 0 for s in self._steps) and not should_stop():
+        while not started(steps > 0 for steps in self.worker_steps()) and not should_stop():
             self.check()
             now = time.monotonic()
-            building = sum(not b.is_set() for b in self._built)
+            building = sum(not link.built.is_set() for link in self._links)
             if not building and built_at is None:
                 built_at = now
             what = (

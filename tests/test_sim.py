@@ -2,11 +2,16 @@
 
 import contextlib
 import json
+import math
+import multiprocessing as mp
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +21,14 @@ import pytest
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import (
+    EPISODES_PER_MESSAGE,
     PolicySpec,
     ServerLostError,
     ServerProcess,
+    SharedFlag,
     WorkerError,
     WorkerFleet,
+    WorkerLink,
     check_fleet,
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
@@ -248,6 +256,83 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
     assert fleet.failed() == []  # it exited by itself, not killed
     assert len(fleet.episode_returns) > 2000
     assert took < 5.0, f"stop() took {took:.1f}s"
+
+
+def _busy_worker(link: WorkerLink, stop: SharedFlag) -> None:
+    """A sim worker's traffic with its fleet, as fast as it goes, until stopped: it reads the stop
+    flag (most of the time, as a worker does at every step), counts steps, sets its built flag and
+    sends episodes, several messages' worth at a time."""
+    n = 0
+    while not any(stop.is_set() for _ in range(20)):
+        n += 1
+        link.steps.value = n
+        link.built.set()
+        if n % 50 == 0:
+            link.send_episodes([0.5 * n] * 300, [n] * 300)
+
+
+def _fleet_side(stop: SharedFlag, link: WorkerLink, out: list[Any]) -> None:
+    """What a fleet does with a worker's link once the worker ended: stop it, read it all."""
+    stop.set()
+    out.extend([stop.is_set(), link.built.is_set(), link.steps.value, link.said(), link.take_episodes()])
+
+
+def test_a_worker_killed_at_any_point_leaves_its_fleet_nothing_held() -> None:
+    """A worker killed (SIGKILL: the OOM killer's way) while it uses what it shares with its fleet
+    leaves the fleet able to stop it, count its steps and read its episodes and error line. A
+    worker once read its stop flag from a multiprocessing Event, which takes a lock to be read:
+    killed inside, it held that lock for good, and the fleet's stop() then waited forever (here,
+    with the flag read that way, in 12 kills of 30)."""
+    ctx = mp.get_context("spawn")
+    for _ in range(10):
+        stop, link = SharedFlag(), WorkerLink()
+        proc = ctx.Process(target=_busy_worker, args=(link, stop), daemon=True)
+        proc.start()
+        wait_until(lambda: link.steps.value > 100, timeout_s=60.0)  # noqa: B023 (this pass's link)
+        episodes = link.take_episodes()
+        os.kill(proc.pid or 0, signal.SIGKILL)  # while the fleet reads its episodes
+        proc.join()
+        read: list[Any] = []
+        fleet = threading.Thread(target=_fleet_side, args=(stop, link, read), daemon=True)
+        fleet.start()
+        fleet.join(10.0)
+        assert not fleet.is_alive(), "the fleet's side waited for what the killed worker held"
+        is_stopped, built, steps, said, rest = read
+        assert is_stopped and built and steps > 0 and said == []
+        episodes += rest
+        assert episodes and all(r == 0.5 * n for r, n in episodes)  # no message torn
+
+
+def test_an_episode_message_is_written_to_the_pipe_whole_or_not_at_all() -> None:
+    """A pipe takes a write of up to PIPE_BUF bytes whole: the largest episode message (its 4-byte
+    header and pickle) fits, so a worker killed mid-write leaves no half message to wait for."""
+    episodes = [(math.pi * (i + 1) * 1e300, 2**31 - 1 - i) for i in range(EPISODES_PER_MESSAGE)]
+    assert 4 + len(ForkingPickler.dumps(episodes)) <= select.PIPE_BUF  # as the queue pickles it
+    link = WorkerLink()
+    link.send_episodes([r for r, _ in episodes] * 3, [n for _, n in episodes] * 3)
+    messages = [link._episodes.get(timeout=10.0) for _ in range(3)]  # as the queue holds them
+    assert messages == [episodes] * 3
+    assert link.take_episodes() == []
+
+
+def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by_themselves() -> None:
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=8)
+        fleet = WorkerFleet(config, 2)
+        with fleet:
+            fleet.wait_started()
+            wait_until(lambda: min(fleet.worker_steps()) > 500, timeout_s=60.0)
+            os.kill(fleet.pids[0], signal.SIGKILL)
+            with pytest.raises(WorkerError, match=r"^a sim worker process ended \(killed by SIGKILL\)$"):
+                wait_until(fleet.check, timeout_s=10.0)
+            episodes = len(fleet.poll_episodes())
+            steps = fleet.worker_steps()[1]
+            wait_until(lambda: fleet.worker_steps()[1] > steps + 500, timeout_s=60.0)  # the other steps on
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+    assert fleet.failed() == [-signal.SIGKILL]  # the other exited by itself, not killed at the timeout
+    assert took < 5.0, f"stop() took {took:.1f}s"
+    assert len(fleet.episode_returns) > episodes  # the other's episodes kept coming
 
 
 def test_a_server_process_that_ended_unasked_is_told_from_one_its_owner_stopped() -> None:
