@@ -273,6 +273,31 @@ def build_replica(policy: PolicySpec, index: int) -> Any:
     return build_backend(policy, sampling_seed=seed)[0]
 
 
+#: How long a process whose parent died has to end after its SIGTERM before it SIGKILLs itself.
+ORPHAN_GRACE_S = 15.0
+
+
+def end_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
+    """Have this spawned process end once the process that started it is gone, as its owner's
+    ``stop()`` would end it: SIGTERM to itself (the edge server's graceful shutdown; a sim worker
+    just ends), then SIGKILL if it is still there ``grace_s`` later. A thread waits for that on
+    multiprocessing's parent sentinel, which reads end-of-file when the parent dies, however it
+    dies. Without it the edge server and the sim workers of a command that was killed (SIGKILL:
+    the OOM killer's way, which picks the largest process, often the trainer) ran on for good,
+    orphans, a worker at a full core. Does nothing in a process that was not spawned."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="edgerl-parent-watch", daemon=True).start()
+
+
 def build_server(policy: PolicySpec, config: ServerConfig) -> Any:
     """An :class:`EdgeServer` serving the backend ``policy`` names."""
     from edgerl.edge_server.server import EdgeServer
@@ -297,6 +322,7 @@ def _server_main(
     configure_logging(log_level)
     # The parent owns this process: it stops it with SIGTERM; Ctrl-C in the terminal is the parent's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    end_with_parent()
 
     async def main() -> None:
         server = build_server(policy, config)
@@ -563,11 +589,12 @@ def _run_worker(config: SimWorkerConfig, link: WorkerLink, stop: SharedFlag, log
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
 
     configure_logging(log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared event
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared flag
     if config.cpus:  # before gRPC starts threads, which inherit it
         os.sched_setaffinity(0, config.cpus)
     if config.backfill:  # as the CPU affinity: every thread started later inherits it
         idle_priority()
+    end_with_parent()
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
     link.built.set()  # its envs are built: what it waits for now is its server

@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -220,6 +221,15 @@ def child_pids(pid: int) -> list[int]:
     """The ids of process ``pid``'s children (Linux's ``/proc/PID/task/PID/children``)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie that its new parent has not reaped has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_until(condition: Callable[[], T], timeout_s: float, poll_s: float = 0.1) -> T:

@@ -30,11 +30,12 @@ from edgerl.launch.processes import (
     WorkerFleet,
     WorkerLink,
     check_fleet,
+    end_with_parent,
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
 from edgerl.watchdog.sched import thread_ids
-from tests.helpers import EchoPolicy, free_port, run, running_server, wait_until
+from tests.helpers import EchoPolicy, ended, free_port, run, running_server, wait_until
 
 
 def test_same_seed_same_trajectory() -> None:
@@ -333,6 +334,45 @@ def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by
     assert fleet.failed() == [-signal.SIGKILL]  # the other exited by itself, not killed at the timeout
     assert took < 5.0, f"stop() took {took:.1f}s"
     assert len(fleet.episode_returns) > episodes  # the other's episodes kept coming
+
+
+def _deaf_to_sigterm(pids: Any) -> None:
+    """A spawned process that ignores SIGTERM and ends with its parent, 0.5 s after that SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    end_with_parent(grace_s=0.5)
+    pids.put(os.getpid())
+    time.sleep(600)
+
+
+def _parent_of_deaf(pids: Any) -> None:
+    mp.get_context("spawn").Process(target=_deaf_to_sigterm, args=(pids,)).start()
+    time.sleep(600)
+
+
+def test_a_process_whose_parent_died_ends_even_if_it_ignores_sigterm() -> None:
+    """What :func:`end_with_parent` does past its SIGTERM: a process still there ``grace_s`` later
+    (an edge server whose graceful shutdown hangs, say) is killed."""
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    parent = ctx.Process(target=_parent_of_deaf, args=(pids,))  # not a daemon: it has a child
+    parent.start()
+    pid = 0
+    try:
+        pid = pids.get(timeout=60.0)
+        assert not ended(pid)
+        os.kill(parent.pid or 0, signal.SIGKILL)
+        parent.join()
+        t0 = time.monotonic()
+        wait_until(lambda: ended(pid), timeout_s=30.0, poll_s=0.02)
+        took = time.monotonic() - t0
+        assert ended(pid)
+        assert 0.45 < took < 10.0, took  # its SIGTERM ignored, it was killed 0.5 s later
+    finally:
+        parent.kill()
+        parent.join()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_server_process_that_ended_unasked_is_told_from_one_its_owner_stopped() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
-from tests.helpers import EDGERL, check_machine_block, child_pids
+from tests.helpers import EDGERL, check_machine_block, child_pids, ended, wait_until
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
@@ -134,6 +134,36 @@ def _listens(pid: int) -> bool:
     return any(link[8:-1] in listening for link in links if link.startswith("socket:["))
 
 
+def _started_run(command: str, run_dir: Path) -> subprocess.Popen[str]:
+    """``edgerl train`` (in ``run_dir``) or ``edgerl rollout`` without end, in a session of its own,
+    once it has made a few updates or (rollout) had its server and worker up for a while."""
+    args = ["--steps", "10000000", *(["--run-dir", str(run_dir)] if command == "train" else [])]
+    proc = subprocess.Popen(
+        [*EDGERL, command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+
+    def started() -> bool:
+        if command == "train":
+            return metrics.exists() and metrics.read_text().count("\n") >= 3
+        if len(_spawned(proc.pid)) < 2:
+            return False
+        time.sleep(3.0)  # its worker stepping for a while
+        return True
+
+    deadline = time.monotonic() + 180
+    while not started():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"the run did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.5)
+    return proc
+
+
 @pytest.mark.parametrize(
     ("command", "victim"), [("train", "server"), ("train", "worker"), ("rollout", "server")]
 )
@@ -145,37 +175,12 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     good, the trainer and the other processes reconnecting to a server that was gone. So does
     ``edgerl rollout`` without a time limit, which has no checkpoint."""
     run_dir = tmp_path / "run"
-    args = (
-        ["--steps", "10000000", "--run-dir", str(run_dir)] if command == "train" else ["--steps", "10000000"]
-    )
-    proc = subprocess.Popen(
-        [*EDGERL, command, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    metrics = run_dir / "metrics.jsonl"
-
-    def spawned() -> list[int]:
-        return _spawned(proc.pid)
-
-    def started() -> bool:  # a few updates made, or (rollout) server and worker up for a while
-        if command == "train":
-            return metrics.exists() and metrics.read_text().count("\n") >= 3
-        if len(spawned()) < 2:
-            return False
-        time.sleep(3.0)  # its worker stepping for a while
-        return True
-
+    proc = _started_run(command, run_dir)
     try:
-        deadline = time.monotonic() + 180
-        while not started():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.5)
-        servers = [c for c in spawned() if _listens(c)]
-        assert len(servers) == 1 and len(spawned()) == 2, (spawned(), servers)  # one server, one worker
-        worker = next(c for c in spawned() if c not in servers)
+        children = _spawned(proc.pid)
+        servers = [c for c in children if _listens(c)]
+        assert len(servers) == 1 and len(children) == 2, (children, servers)  # one server, one worker
+        worker = next(c for c in children if c not in servers)
         os.kill(servers[0] if victim == "server" else worker, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -192,6 +197,28 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     else:
         assert said == f"edgerl: error: {died} ended (killed by SIGKILL)", said
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["train", "rollout"])
+def test_a_run_killed_leaves_no_process_behind(command: str, tmp_path: Path) -> None:
+    """A run that is killed itself (SIGKILL: the OOM killer picks the largest process, often the
+    trainer) takes its processes with it: its edge server and sim workers end once it is gone,
+    where they once ran on for good, orphans, a worker at a full core; so does multiprocessing's
+    resource tracker, once they have."""
+    proc = _started_run(command, tmp_path / "run")
+    try:
+        children = child_pids(proc.pid)
+        assert len(_spawned(proc.pid)) == 2 and len(children) == 3, children  # and the tracker
+        proc.kill()
+        proc.wait()  # not its output: the processes left hold its pipes open
+        wait_until(lambda: all(ended(c) for c in children), timeout_s=30.0)
+        assert [c for c in children if not ended(c)] == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what is left: not left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
 
 
 @pytest.mark.parametrize("fault", ["refused", "server gone"])
