@@ -31,6 +31,7 @@ from typing import Any
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.robot_client.keeper import host_session_id
 from edgerl.robot_client.sim_worker import SimWorkerConfig
+from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.sched import idle_priority, no_wakeup_preemption, thread_ids
 
 log = logging.getLogger(__name__)
@@ -598,15 +599,13 @@ def _run_worker(config: SimWorkerConfig, link: WorkerLink, stop: SharedFlag, log
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
     link.built.set()  # its envs are built: what it waits for now is its server
-    sent = 0
 
-    def report() -> None:
-        nonlocal sent
+    def report() -> None:  # on the thread that steps the envs, the one that adds episodes
         link.steps.value = progress.steps
-        n = len(progress.episode_returns)
-        if n > sent:
-            link.send_episodes(progress.episode_returns[sent:n], progress.episode_lengths[sent:n])
-            sent = n
+        if progress.episode_returns:  # sent, and no longer kept: a long run finishes millions
+            link.send_episodes(progress.episode_returns, progress.episode_lengths)
+            progress.episode_returns.clear()
+            progress.episode_lengths.clear()
 
     async def main() -> None:
         stepping, helpers = threading.get_native_id(), set[int]()
@@ -756,8 +755,7 @@ class WorkerFleet:
         self._stop = SharedFlag()
         self._links: list[WorkerLink] = []  # per worker, in worker order
         self._procs: list[Any] = []
-        self.episode_returns: list[float] = []
-        self.episode_lengths: list[int] = []
+        self.episodes = EpisodeLog()  # what the workers finished
 
     def _configs(self) -> list[SimWorkerConfig]:
         """Each worker's config, the backfill worker's last."""
@@ -841,9 +839,7 @@ class WorkerFleet:
     def poll_episodes(self) -> list[tuple[float, int]]:
         """Episodes finished since the last call, as (return, length)."""
         new = [episode for link in self._links for episode in link.take_episodes()]
-        for ret, length in new:
-            self.episode_returns.append(ret)
-            self.episode_lengths.append(length)
+        self.episodes.extend(new)
         return new
 
     def worker_steps(self) -> list[int]:

@@ -43,10 +43,10 @@ def watch(
                 time.sleep(0.5)
                 now, done = time.perf_counter(), fleet.total_steps()
                 fleet.poll_episodes()
-                recent = fleet.episode_returns[-20:]
+                recent = fleet.episodes.last_returns(20)
                 advance(bar, done)
                 bar.set_postfix(
-                    episodes=len(fleet.episode_returns),
+                    episodes=fleet.episodes.count,
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
                 )
                 fleet.check()
@@ -63,13 +63,13 @@ def watch(
         fleet.stop()
         made = fleet.total_steps()  # with --steps N, N or more: the workers count from their first
         advance(bar, made)  # the steps made since the last look
-    rets = fleet.episode_returns
+    last = fleet.episodes.last_returns(20)
     return {
         "env_steps": made,
         "wall_s": round(wall, 2),
         "steps_per_s": round((made - s0) / wall, 1) if wall > 0 else 0.0,
-        "episodes": len(rets),
-        "return_mean_last20": round(statistics.fmean(rets[-20:]), 2) if rets else None,
+        "episodes": fleet.episodes.count,
+        "return_mean_last20": round(statistics.fmean(last), 2) if last else None,
         "interrupted": interrupted,
     }
 

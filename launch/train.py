@@ -331,7 +331,7 @@ def run_training(
                 fleet.poll_episodes()
                 fleet.check()
                 advance(bar, trainer.state.env_steps)
-                recent = fleet.episode_returns[-20:]
+                recent = fleet.episodes.last_returns(20)
                 bar.set_postfix(
                     ret=f"{statistics.fmean(recent):.1f}" if recent else "-",
                     v=trainer.state.version,
@@ -359,7 +359,8 @@ def run_training(
             finally:
                 bar.close()
             wall = time.monotonic() - t0
-    returns = fleet.episode_returns
+    episodes = fleet.episodes
+    first, last = episodes.first_returns(20), episodes.last_returns(20)
     learned = state.env_steps - start_steps
     history = trainer.history
     summary: dict[str, Any] = {
@@ -372,10 +373,10 @@ def run_training(
         "wall_s": round(wall, 2),
         "total_s": round(time.monotonic() - t_start, 2),
         "steps_per_s": round(learned / wall, 1) if wall > 0 else 0.0,
-        "episodes": len(returns),
+        "episodes": episodes.count,
         "worker_steps": fleet.worker_steps(),
-        "return_first20": round(statistics.fmean(returns[:20]), 2) if returns else None,
-        "return_last20": round(statistics.fmean(returns[-20:]), 2) if returns else None,
+        "return_first20": round(statistics.fmean(first), 2) if first else None,
+        "return_last20": round(statistics.fmean(last), 2) if last else None,
         "stale_fraction": round(state.masked_stale / max(1, state.env_steps), 5),
         "lag_mean": round(statistics.fmean(h["staleness/lag_mean"] for h in history), 3) if history else 0.0,
         "lag_max": max((h["staleness/lag_max"] for h in history), default=0.0),

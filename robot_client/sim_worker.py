@@ -104,7 +104,10 @@ class SimWorkerConfig:
 
 @dataclass
 class WorkerProgress:
-    """What a worker reports as it runs."""
+    """What a worker reports as it runs. ``episode_returns`` and ``episode_lengths`` hold the
+    episodes finished since its owner last took them out (a fleet's worker process sends them on
+    and clears both every 0.2 s): left there, a long run on an env with short episodes fills them
+    with millions."""
 
     steps: int = 0
     episode_returns: list[float] = field(default_factory=list)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from edgerl.launch.processes import (
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
+from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.sched import thread_ids
 from tests.helpers import EchoPolicy, ended, free_port, run, running_server, wait_until
 
@@ -255,8 +257,37 @@ def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
             t0 = time.monotonic()
         took = time.monotonic() - t0
     assert fleet.failed() == []  # it exited by itself, not killed
-    assert len(fleet.episode_returns) > 2000
+    assert fleet.episodes.count > 2000
     assert took < 5.0, f"stop() took {took:.1f}s"
+
+
+def test_an_episode_log_keeps_the_count_and_both_ends_of_a_run_in_memory_that_does_not_grow() -> None:
+    log = EpisodeLog(keep=50)
+    assert (log.count, log.first_returns(20), log.last_returns(20), log.last_lengths(20)) == (0, [], [], [])
+    log.extend((float(i), i % 7 + 1) for i in range(10))
+    assert log.first_returns(20) == log.last_returns(20) == [float(i) for i in range(10)]  # all 10 so far
+
+    def used_by(episodes: int) -> int:
+        tracemalloc.start()
+        try:
+            log.extend((float(i), i % 7 + 1) for i in range(10, 10 + episodes))
+            return tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    # its last 50 episodes, new ones (~80 bytes each); lists of every one: 100,000 x 40 bytes and more
+    assert used_by(100_000) < 10_000
+    n = 100_010
+    assert len(log) == log.count == n
+    assert log.first_returns(20) == [float(i) for i in range(20)]
+    assert log.last_returns(20) == [float(i) for i in range(n - 20, n)]  # oldest first
+    assert log.last_lengths(3) == [i % 7 + 1 for i in range(n - 3, n)]
+    assert log.first_returns(50)[-1] == 49.0 and log.last_returns(50)[0] == float(n - 50)
+    for bad in (0, 51):
+        with pytest.raises(ValueError, match=rf"n must be in \[1, keep=50\], got {bad}"):
+            log.last_returns(bad)
+    with pytest.raises(ValueError, match="keep must be >= 1, got 0"):
+        EpisodeLog(keep=0)
 
 
 def _busy_worker(link: WorkerLink, stop: SharedFlag) -> None:
@@ -333,7 +364,7 @@ def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by
         took = time.monotonic() - t0
     assert fleet.failed() == [-signal.SIGKILL]  # the other exited by itself, not killed at the timeout
     assert took < 5.0, f"stop() took {took:.1f}s"
-    assert len(fleet.episode_returns) > episodes  # the other's episodes kept coming
+    assert fleet.episodes.count > episodes  # the other's episodes kept coming
 
 
 def _deaf_to_sigterm(pids: Any) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.sim.episodes import EpisodeLog
 
 SegmentKey = tuple[str, int, int, int]
 """Identity of a segment's first transition: (session, env, episode, t)."""
@@ -96,8 +97,7 @@ class RewardScaler:
 class EpisodeTracker:
     """Episode returns and lengths rebuilt from the transitions (raw rewards)."""
 
-    returns: list[float] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
+    log: EpisodeLog = field(default_factory=EpisodeLog)
     _running: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
 
     def add(self, key: tuple[str, int], rewards: np.ndarray, done: np.ndarray, autoreset: np.ndarray) -> None:
@@ -108,8 +108,7 @@ class EpisodeTracker:
             ret += r
             length += 1
             if d:
-                self.returns.append(ret)
-                self.lengths.append(length)
+                self.log.add(ret, length)
                 ret, length = 0.0, 0
         self._running[key] = (ret, length)
 

@@ -315,7 +315,7 @@ class Trainer:
             1.0 - float(np.var((ret - values)[value_mask_np])) / var_ret if var_ret > 0 else float("nan")
         )
         out = {f"losses/{k}": v / measured for k, v in sums.items()}
-        recent = self.episodes.returns[-20:]
+        recent = self.episodes.log.last_returns(20)
         out.update(
             {
                 "losses/explained_variance": explained,
@@ -327,12 +327,12 @@ class Trainer:
                 "staleness/masked_stale_fraction": float(stale.mean()),
                 "staleness/masked_fallback_fraction": float(batch.fallback.mean()),
                 "staleness/masked_autoreset_fraction": float(batch.autoreset.mean()),
-                "charts/episodes": float(len(self.episodes.returns)),
+                "charts/episodes": float(self.episodes.log.count),
             }
         )
         if recent:
             out["charts/episodic_return"] = float(np.mean(recent))
-            out["charts/episodic_length"] = float(np.mean(self.episodes.lengths[-20:]))
+            out["charts/episodic_length"] = float(np.mean(self.episodes.log.last_lengths(20)))
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------------
