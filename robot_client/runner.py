@@ -45,6 +45,7 @@ import random
 import select
 import selectors
 import socket
+import statistics
 import subprocess
 import time
 from collections import deque
@@ -60,6 +61,7 @@ from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus, host_session_id
 from edgerl.robot_client.robot import Reading, Robot, RobotKind, RobotState
 from edgerl.robot_client.security import ClientSecurity
+from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.loop import ControlLoop, slot_count
 from edgerl.watchdog.samples import Samples
@@ -569,8 +571,8 @@ class RobotLink:
         self._rng = random.Random(config.faults.seed * 100_003 + index)
         self.latencies_s = Samples(config.stats_window)
         self.counts = dict.fromkeys(("requests", "answers", "dropped", "episodes"), 0)
-        self.episode_returns: list[float] = []
-        self._ep_return = 0.0
+        self.episodes = EpisodeLog()  # the count and both ends: a host may run for months
+        self._ep_return, self._ep_length = 0.0, 0
         self.last_version = -1
 
     # -- control thread -----------------------------------------------------
@@ -590,6 +592,7 @@ class RobotLink:
             reading = robot.read()
             self._reward += reading.reward
             self._ep_return += reading.reward
+            self._ep_length += 1
         self._terminated |= reading.terminated
         self._truncated |= reading.truncated
         self._fallback |= tick.fallback
@@ -597,8 +600,8 @@ class RobotLink:
         if done:
             self._reset_next = True
             self.counts["episodes"] += 1
-            self.episode_returns.append(self._ep_return)
-            self._ep_return = 0.0
+            self.episodes.add(self._ep_return, self._ep_length)
+            self._ep_return, self._ep_length = 0.0, 0
         if self.on_tick is not None:
             self.on_tick(self.index, tick, reading, was_reset)
         if not done and self.watchdog.remaining() > self.config.refill_at:
@@ -702,6 +705,7 @@ class RobotLink:
             "policy_ticks": s.policy_ticks,
             "policy_version": self.last_version,
             **self.counts,
+            "return_last20": statistics.fmean(last) if (last := self.episodes.last_returns(20)) else None,
         }
 
 

@@ -346,6 +346,7 @@ def test_an_episodes_last_observation_reaches_the_server_when_it_ends_with_a_req
         segs = list(srv.server.store.take_sendable())
     terminated = sum(t for seg in segs for t in seg.terminated)
     assert s["episodes"] >= 8 and s["requests"] < s["ticks"] / 2  # most ticks found a request in flight
+    assert s["return_last20"] == 10.0  # a reward of 1 for each of an episode's 10 actions
     # every episode's end reached the server, but the last one's if the host stopped first
     assert s["episodes"] - 1 <= terminated <= s["episodes"]
 
@@ -597,7 +598,7 @@ def test_a_robot_host_holds_its_stream_only_while_started(network_process: bool)
     cfg = _config("127.0.0.1:1", network_process=network_process, connect_timeout_s=0.0)
     with unclosed_resources() as unclosed:
         idle = RobotHost([CounterRobot()], cfg)
-        assert idle.stats()[0]["ticks"] == 0
+        assert (idle.stats()[0]["ticks"], idle.stats()[0]["return_last20"]) == (0, None)  # no episode yet
         del idle
         host = RobotHost([CounterRobot()], cfg)
         host.start()
