@@ -362,7 +362,6 @@ def run_training(
     episodes = fleet.episodes
     first, last = episodes.first_returns(20), episodes.last_returns(20)
     learned = state.env_steps - start_steps
-    history = trainer.history
     summary: dict[str, Any] = {
         "env": cfg.env,
         "seed": cfg.seed,
@@ -378,8 +377,8 @@ def run_training(
         "return_first20": round(statistics.fmean(first), 2) if first else None,
         "return_last20": round(statistics.fmean(last), 2) if last else None,
         "stale_fraction": round(state.masked_stale / max(1, state.env_steps), 5),
-        "lag_mean": round(statistics.fmean(h["staleness/lag_mean"] for h in history), 3) if history else 0.0,
-        "lag_max": max((h["staleness/lag_max"] for h in history), default=0.0),
+        "lag_mean": round(trainer.lag.mean, 3),
+        "lag_max": trainer.lag.max,
         "interrupted": stop.set,
         "run_dir": str(run_dir),
     }

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -46,6 +47,9 @@ def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> N
 
     rows = _metrics(run_dir)
     assert len(rows) == summary["updates"]
+    lag_means = [r["staleness/lag_mean"] for r in rows]
+    assert summary["lag_mean"] == pytest.approx(statistics.fmean(lag_means), abs=1e-3)
+    assert summary["lag_max"] == max(r["staleness/lag_max"] for r in rows)
     steps = [r["global_step"] for r in rows]
     versions = [r["charts/policy_version"] for r in rows]
     assert steps == sorted(steps) and versions == sorted(versions)  # never decrease
