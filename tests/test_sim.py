@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -244,17 +245,24 @@ def test_a_fleet_with_a_backfill_worker_is_checked(
         check_fleet(envs, workers, 2, max_envs_per_stream=per_stream, backfill_envs=backfill)
 
 
+@contextlib.contextmanager
+def _pendulum_fleet(num_envs: int, num_workers: int) -> Iterator[WorkerFleet]:
+    """A fleet of InvertedPendulum-v5 sim workers, started, against a server process."""
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=num_envs)
+        with WorkerFleet(config, num_workers) as fleet:
+            fleet.wait_started()
+            yield fleet
+
+
 def test_a_fleet_stops_promptly_with_its_episodes_unread() -> None:
     """Workers whose queued episodes nobody read during the run still exit at once on stop()."""
-    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
-        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=16)
-        fleet = WorkerFleet(config, 1)
-        with fleet:
-            fleet.wait_started()
-            # a random policy drops the pendulum in ~10 steps: 30,000 steps make thousands of
-            # episodes (4 s on the fast machine, and as long as it takes on a slow one)
-            wait_until(lambda: fleet.total_steps() >= 30_000, timeout_s=60.0)
-            t0 = time.monotonic()
+    with _pendulum_fleet(16, 1) as fleet:
+        # a random policy drops the pendulum in ~10 steps: 30,000 steps make thousands of
+        # episodes (4 s on the fast machine, and as long as it takes on a slow one)
+        wait_until(lambda: fleet.total_steps() >= 30_000, timeout_s=60.0)
+        t0 = time.monotonic()
+        fleet.stop()
         took = time.monotonic() - t0
     assert fleet.failed() == []  # it exited by itself, not killed
     assert fleet.episodes.count > 2000
@@ -348,19 +356,16 @@ def test_an_episode_message_is_written_to_the_pipe_whole_or_not_at_all() -> None
 
 
 def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by_themselves() -> None:
-    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
-        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=8)
-        fleet = WorkerFleet(config, 2)
-        with fleet:
-            fleet.wait_started()
-            wait_until(lambda: min(fleet.worker_steps()) > 500, timeout_s=60.0)
-            os.kill(fleet.pids[0], signal.SIGKILL)
-            with pytest.raises(WorkerError, match=r"^a sim worker process ended \(killed by SIGKILL\)$"):
-                wait_until(fleet.check, timeout_s=10.0)
-            episodes = len(fleet.poll_episodes())
-            steps = fleet.worker_steps()[1]
-            wait_until(lambda: fleet.worker_steps()[1] > steps + 500, timeout_s=60.0)  # the other steps on
-            t0 = time.monotonic()
+    with _pendulum_fleet(8, 2) as fleet:
+        wait_until(lambda: min(fleet.worker_steps()) > 500, timeout_s=60.0)
+        os.kill(fleet.pids[0], signal.SIGKILL)
+        with pytest.raises(WorkerError, match=r"^a sim worker process ended \(killed by SIGKILL\)$"):
+            wait_until(fleet.check, timeout_s=10.0)
+        fleet.poll_episodes()
+        episodes, steps = fleet.episodes.count, fleet.worker_steps()[1]
+        wait_until(lambda: fleet.worker_steps()[1] > steps + 500, timeout_s=60.0)  # the other steps on
+        t0 = time.monotonic()
+        fleet.stop()
         took = time.monotonic() - t0
     assert fleet.failed() == [-signal.SIGKILL]  # the other exited by itself, not killed at the timeout
     assert took < 5.0, f"stop() took {took:.1f}s"
