@@ -194,7 +194,10 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
     marks: list[int] = [0] * count
     try:
         while True:
-            cmd = conn.recv()
+            try:
+                cmd = conn.recv()
+            except EOFError:  # the bench is gone (killed, say): stop the robots, with no one to tell
+                return
             if cmd == "reset":
                 for link in host.links:
                     link.reset_stats()
@@ -223,7 +226,8 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
                 break
     finally:
         host.stop()
-        conn.send("stopped")
+        with contextlib.suppress(OSError):  # the bench may be gone
+            conn.send("stopped")
 
 
 class _Fleet:

@@ -981,6 +981,33 @@ def test_bench_robot_kills_and_stops_the_network_processes(tmp_path: Any) -> Non
     assert 0.9 * HUNG_AFTER_S * 50 <= loss["sigstop"]["max_consecutive_fallbacks"] < 150
 
 
+def test_a_robot_process_whose_bench_is_gone_stops_its_robots_quietly(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A bench that dies (killed, say) closes its end of each robot process's pipe: the process
+    stops its robots and ends, exit code 0, where it printed two tracebacks (EOFError, then the
+    BrokenPipeError of its goodbye)."""
+    import multiprocessing as mp
+
+    from edgerl.launch.bench_robot import _robot_main
+    from edgerl.launch.processes import PolicySpec, ServerProcess
+
+    cfg = BenchRobotConfig(robots=2, env="InvertedPendulum-v5", policy="mlp-small")
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small")) as server:
+        bench, child = mp.get_context("spawn").Pipe()
+        proc = mp.get_context("spawn").Process(target=_robot_main, args=(cfg, server.address, 0, 2, child))
+        proc.start()
+        child.close()
+        try:
+            assert bench.poll(60.0) and bench.recv()[0] == "ready"
+            bench.close()  # what the bench's death does
+            proc.join(30.0)
+        finally:
+            proc.kill()
+    assert proc.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_chunk_policy_cannot_feed_the_trainer() -> None:
     from edgerl.edge_server.server import EdgeServer, ServerConfig
 
