@@ -50,7 +50,10 @@ class TransitionFeed:
         self.window_steps = window_steps
         self.trainer_id = trainer_id
         self.backoff_max_s = backoff_max_s
-        self.dedupe = Deduplicator()
+        # What the server re-sends after a reconnect is what this feed had not acknowledged: at
+        # most a window of steps, a segment each at worst. Four windows of segment identities
+        # hold those with room to spare (the default, a million, took ~210 MB once full).
+        self.dedupe = Deduplicator(capacity=4 * window_steps)
         self.received = 0
         self.received_steps = 0
         self.reconnects = 0
