@@ -47,6 +47,10 @@ _CTX = mp.get_context("spawn")
 #: half message for the fleet to wait for the rest of.
 EPISODES_PER_MESSAGE = 128
 
+#: The longest error line a sim worker sends its fleet, in characters: at 4 bytes a character at
+#: most, its message too stays under PIPE_BUF.
+MAX_SAID_CHARS = 1000
+
 
 def configure_logging(level: str = "WARNING") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -680,7 +684,10 @@ class WorkerLink:
                 return new
 
     def say(self, line: str) -> None:
-        """Tell the fleet why the worker failed (the worker's side)."""
+        """Tell the fleet why the worker failed (the worker's side), in :data:`MAX_SAID_CHARS` at
+        most: a longer line ends in ``...``."""
+        if len(line) > MAX_SAID_CHARS:
+            line = line[: MAX_SAID_CHARS - 3] + "..."
         self._errors.put(line)
 
     def said(self) -> list[str]:

@@ -24,6 +24,7 @@ import pytest
 from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.processes import (
     EPISODES_PER_MESSAGE,
+    MAX_SAID_CHARS,
     PolicySpec,
     ServerLostError,
     ServerProcess,
@@ -343,9 +344,10 @@ def test_a_worker_killed_at_any_point_leaves_its_fleet_nothing_held() -> None:
         assert episodes and all(r == 0.5 * n for r, n in episodes)  # no message torn
 
 
-def test_an_episode_message_is_written_to_the_pipe_whole_or_not_at_all() -> None:
-    """A pipe takes a write of up to PIPE_BUF bytes whole: the largest episode message (its 4-byte
-    header and pickle) fits, so a worker killed mid-write leaves no half message to wait for."""
+def test_a_workers_messages_are_written_to_the_pipe_whole_or_not_at_all() -> None:
+    """A pipe takes a write of up to PIPE_BUF bytes whole: the largest episode message and the
+    longest error line (each with its 4-byte header) fit, so a worker killed mid-write leaves no
+    half message to wait for."""
     episodes = [(math.pi * (i + 1) * 1e300, 2**31 - 1 - i) for i in range(EPISODES_PER_MESSAGE)]
     assert 4 + len(ForkingPickler.dumps(episodes)) <= select.PIPE_BUF  # as the queue pickles it
     link = WorkerLink()
@@ -353,6 +355,11 @@ def test_an_episode_message_is_written_to_the_pipe_whole_or_not_at_all() -> None
     messages = [link._episodes.get(timeout=10.0) for _ in range(3)]  # as the queue holds them
     assert messages == [episodes] * 3
     assert link.take_episodes() == []
+
+    link.say("\U0001f600" * 5000)  # an error line: 4 bytes a character, the most there is
+    (said,) = link.said()
+    assert len(said) == MAX_SAID_CHARS and said.endswith("...")
+    assert 4 + len(ForkingPickler.dumps(said)) <= select.PIPE_BUF
 
 
 def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by_themselves() -> None:
