@@ -284,7 +284,7 @@ def test_an_episode_log_keeps_the_count_and_both_ends_of_a_run_in_memory_that_do
         finally:
             tracemalloc.stop()
 
-    # its last 50 episodes, new ones (~80 bytes each); lists of every one: 100,000 x 40 bytes and more
+    # its rings are allocated once; lists of every episode grew by 100,000 x 40 bytes and more
     assert used_by(100_000) < 10_000
     n = 100_010
     assert len(log) == log.count == n
