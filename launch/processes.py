@@ -769,8 +769,8 @@ class WorkerFleet:
         cfg = self.config
         envs = cfg.num_envs - self.backfill_envs
         bounds = [envs * i // self.num_workers for i in range(self.num_workers + 1)]
-        # a fleet without a session id is its host and pid: two fleets (say, on two machines)
-        # against one server would otherwise share "sim/worker-0" and take each other's over
+        # a fleet without a session id is its host and pid (pid.K for a process's later fleets):
+        # two fleets against one server would otherwise share names and take each other's over
         name = cfg.session_id or host_session_id()
 
         def steps(n: int) -> int:  # a worker's share of max_steps, by its envs

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -92,10 +93,16 @@ class StreamSettings:
         )
 
 
+_host_sessions = itertools.count()
+
+
 def host_session_id() -> str:
     """The session id of a client given none: its host and process id, new at each start, so
-    that two clients (on two machines, or two runs on one) never share a session."""
-    return f"{socket.gethostname()}/{os.getpid()}"
+    that two clients (on two machines, or two runs on one) never share a session. The second
+    and later ones in a process (two fleets a script starts, say) get ``host/pid.K``."""
+    k = next(_host_sessions)
+    pid = f"{os.getpid()}.{k}" if k else str(os.getpid())
+    return f"{socket.gethostname()}/{pid}"
 
 
 def check_cpus(config: Any, *names: str) -> None:

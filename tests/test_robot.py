@@ -587,7 +587,10 @@ def test_a_lone_robot_without_a_name_streams_as_host_and_pid() -> None:
     import socket
 
     host = RobotHost([CounterRobot(name="")], _config("127.0.0.1:1"))  # the server refuses ""
-    assert host.session_id == f"{socket.gethostname()}/{os.getpid()}"
+    here = rf"{re.escape(socket.gethostname())}/{os.getpid()}(\.[0-9]+)?"  # later ones: pid.K
+    assert re.fullmatch(here, host.session_id)
+    other = RobotHost([CounterRobot(name="")], _config("127.0.0.1:1"))
+    assert re.fullmatch(here, other.session_id) and other.session_id != host.session_id
     assert RobotHost([CounterRobot(name="arm")], _config("127.0.0.1:1")).session_id == "arm"
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.server import ServerConfig
+from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.processes import (
     EPISODES_PER_MESSAGE,
     MAX_SAID_CHARS,
@@ -377,6 +378,27 @@ def test_a_fleet_with_a_worker_killed_stops_at_once_and_its_other_workers_end_by
     assert fleet.failed() == [-signal.SIGKILL]  # the other exited by itself, not killed at the timeout
     assert took < 5.0, f"stop() took {took:.1f}s"
     assert fleet.episodes.count > episodes  # the other's episodes kept coming
+
+
+def test_two_fleets_in_one_process_against_one_server_keep_sessions_of_their_own() -> None:
+    """Fleets without a session id are named by host and pid; two in one process (a script
+    that runs two) must not share their workers' sessions and take each other's over."""
+    # a server claims sessions where it keeps transitions; "drop": no trainer takes them here
+    collecting = ServerConfig(port=0, learner=TransitionConfig(overflow="drop"))
+    with ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small"), collecting) as server:
+        config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=4)
+        with WorkerFleet(config, 1) as first, WorkerFleet(config, 1) as second:
+            first.wait_started()
+            second.wait_started()
+            steps = first.total_steps(), second.total_steps()
+
+            def both_stepped_on() -> bool:
+                first.check()  # the session taken over ends its worker with ABORTED
+                second.check()
+                return first.total_steps() > steps[0] + 2000 and second.total_steps() > steps[1] + 2000
+
+            wait_until(both_stepped_on, timeout_s=60.0)
+    assert first.failed() == [] and second.failed() == []
 
 
 def _deaf_to_sigterm(pids: Any) -> None:
