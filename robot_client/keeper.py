@@ -96,13 +96,17 @@ class StreamSettings:
 _host_sessions = itertools.count()
 
 
+def host_and_pid() -> str:
+    """``host/pid``: this process among all that talk to a server (a trainer's id, say)."""
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
 def host_session_id() -> str:
     """The session id of a client given none: its host and process id, new at each start, so
     that two clients (on two machines, or two runs on one) never share a session. The second
     and later ones in a process (two fleets a script starts, say) get ``host/pid.K``."""
     k = next(_host_sessions)
-    pid = f"{os.getpid()}.{k}" if k else str(os.getpid())
-    return f"{socket.gethostname()}/{pid}"
+    return f"{host_and_pid()}.{k}" if k else host_and_pid()
 
 
 def check_cpus(config: Any, *names: str) -> None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
-import socket
 import time
 import zipfile
 from collections.abc import Callable, Mapping
@@ -33,6 +31,7 @@ from edgerl.launch import jsonout
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
+from edgerl.robot_client.keeper import host_and_pid
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.trainer.config import TrainerConfig
 from edgerl.trainer.feed import TransitionFeed, learner_channel, publish_weights
@@ -188,7 +187,7 @@ class Trainer:
         self.feed = feed = TransitionFeed(
             self.server,
             window_steps=cfg.batch_steps * cfg.max_batches_ahead,
-            trainer_id=f"{socket.gethostname()}/{os.getpid()}",
+            trainer_id=host_and_pid(),
             security=self.security,
         ).start()
         start = time.monotonic() - self.state.wall_s
