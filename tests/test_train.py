@@ -56,6 +56,10 @@ def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> N
     assert all(r["charts/served_version"] == r["charts/policy_version"] for r in rows)
     for key in ("losses/approx_kl", "losses/clip_fraction", "perf/sampler_steps_per_s", "staleness/lag_max"):
         assert key in rows[-1]
+    # Every episode reached the trainer whole (none began before it, no step was lost); the
+    # fleet counts those that ended after the trainer's last update too.
+    assert rows[-1]["charts/episodes_cut"] == 0
+    assert 0 < rows[-1]["charts/episodes"] <= summary["episodes"]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "latest.pt").exists()
     config = json.loads((run_dir / "config.json").read_text())

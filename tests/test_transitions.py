@@ -1,4 +1,5 @@
-"""The edge server's transition assembly, driven step by step."""
+"""The edge server's transition assembly, driven step by step, and the trainer's reading of the
+segments it makes (episodes rebuilt, per-env state forgotten once an env goes quiet)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from edgerl.edge_server.transitions import (
 )
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.trainer.segments import EnvStates, EpisodeTracker, RewardScaler, assemble
 
 OBS = (3,)
 
@@ -270,3 +272,133 @@ def test_a_bad_learner_setting_is_refused_naming_it(case: str) -> None:
     setting, message = BAD_SETTINGS[case]
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         TransitionConfig(**setting)
+
+
+# -- the trainer's episodes, rebuilt from the segments -----------------------------------------------
+# Message k carries the reward of action k-1 (``_step`` with reward=k): the row that message j
+# opened has reward j + 1.
+
+
+def _episodes(tracker: EpisodeTracker, store: TransitionStore) -> list[tuple[float, int]]:
+    """Feed the store's sendable segments through the trainer's path and acknowledge them; the
+    episodes logged so far."""
+    batch = assemble(_drain(store), None, tracker)
+    store.ack(batch.last_seq, 1 << 30)
+    returns = tracker.log.last_returns(100)
+    return list(zip(returns, tracker.log.last_lengths(100), strict=True))
+
+
+def test_an_episode_is_logged_only_if_every_step_of_it_reached_the_trainer() -> None:
+    """The server dropped the first segment (``overflow = "drop"``, as for a trainer that joins a
+    running server): the episode it began is cut, counted, not logged; the next one is whole."""
+    store = _store(segment_steps=4, max_pending_steps=4, overflow="drop")
+    tracker = EpisodeTracker()
+    h = store.open_stream("s", 1)
+    # Episode 0: rows 0-5, ended by message 6 (row 6 is its final observation, autoreset).
+    for k in range(9):
+        _step(store, h, [0], k, reward=float(k), term=[k == 6])
+    assert store.counters.transitions_dropped_overflow == 4  # rows 0-3
+    assert _episodes(tracker, store) == [] and tracker.cut == 1  # rows 4-5 (rewards 5, 6) only
+    # Episode 1: rows 7-10, ended by message 11.
+    for k in range(9, 13):
+        _step(store, h, [0], k, reward=float(k), term=[k == 11])
+    assert _episodes(tracker, store) == [(8.0 + 9.0 + 10.0 + 11.0, 4)]
+    assert tracker.cut == 1
+
+
+def test_an_episode_that_lost_a_step_to_a_reconnect_is_cut() -> None:
+    store = _store(segment_steps=4)
+    tracker = EpisodeTracker()
+    h = store.open_stream("s", 1)
+    for k in range(3):
+        _step(store, h, [0], k, reward=float(k))
+    h2 = store.open_stream("s", 1)  # row 2's action is lost: episode 0 goes on at t = 3
+    # Episode 0 ends with message 5 (row 4); episode 1 is rows 6-8, ended by message 9.
+    for k in range(3, 12):
+        _step(store, h2, [0], k, reward=float(k), term=[k in (5, 9)])
+    assert _episodes(tracker, store) == [(7.0 + 8.0 + 9.0, 3)]
+    assert tracker.cut == 1
+
+
+def test_episodes_longer_than_a_segment_are_summed_over_their_segments() -> None:
+    store = _store(segment_steps=2)
+    tracker = EpisodeTracker()
+    h = store.open_stream("s", 2)
+    for k in range(12):  # env 0 ends after rows 0-4, env 1 after rows 0-2 and 4-8
+        _step(store, h, [0, 1], k, reward=float(k), term=[k == 5, k in (3, 9)])
+    logged = _episodes(tracker, store)
+    # _step adds the env id to the reward: env 1's rows have reward j + 2
+    assert sorted(logged) == sorted([(15.0, 5), (2.0 + 3.0 + 4.0, 3), (6.0 + 7.0 + 8.0 + 9.0 + 10.0, 5)])
+    assert tracker.cut == 0
+
+
+def test_env_states_forget_an_env_quiet_for_a_whole_period() -> None:
+    now = [0.0]
+    states: EnvStates[int] = EnvStates(idle_s=10.0, idle_segments=3, clock=lambda: now[0])
+    a, b, c = ("s", 0), ("s", 1), ("t", 0)
+    states.put(a, 1)
+    states.put(b, 1)
+    now[0] = 100.0
+    states.put(a, 2)  # 3 segments and 100 s: the first period ends
+    states.put(c, 1)
+    states.put(a, 3)
+    assert states.get(b) == 1 and len(states) == 3  # b is quiet for part of a period only
+    states.put(a, 4)  # 3 segments, but no time has passed: the period goes on
+    assert states.get(b) == 1
+    now[0] = 200.0
+    states.put(c, 2)  # the second period ends: b sent nothing in it
+    assert states.get(b) is None and states.forgotten == 1
+    assert (states.get(a), states.get(c), len(states)) == (4, 2, 2)
+
+
+def test_env_states_forget_nothing_while_nothing_arrives_or_no_time_passes() -> None:
+    now = [0.0]
+    states: EnvStates[int] = EnvStates(idle_s=10.0, idle_segments=3, clock=lambda: now[0])
+    fast, slow = ("sim", 0), ("robot", 0)
+    states.put(slow, 1)
+    now[0] = 5.0
+    for i in range(100):  # a slow env among fast ones: segments pass, not enough time
+        states.put(fast, i)
+    now[0] = 10_000.0  # a stalled trainer: time passes, nothing arrives
+    states.put(fast, 100)  # a period ends: the slow env sent in it
+    states.put(fast, 101)
+    states.put(fast, 102)
+    assert (states.get(slow), states.forgotten) == (1, 0)
+    states.put(fast, 103)  # the next period's 3 segments, but it is not 10 s long yet
+    assert (states.get(slow), states.forgotten) == (1, 0)
+    now[0] = 10_010.0
+    states.put(fast, 104)  # a whole period without the slow env
+    assert (states.get(slow), states.forgotten, len(states)) == (None, 1, 1)
+
+
+def test_env_states_refuse_a_bad_setting() -> None:
+    with pytest.raises(ValueError, match=r"^idle_s must be >= 0, got -1.0$"):
+        EnvStates(idle_s=-1.0)
+    with pytest.raises(ValueError, match=r"^idle_segments must be >= 1, got 0$"):
+        EnvStates(idle_segments=0)
+
+
+def test_the_trainer_keeps_the_state_of_the_envs_still_sending_only() -> None:
+    """Sessions that come and go (each robot start makes a new one) leave no state behind once
+    quiet for a period; an env that comes back mid-episode afterwards has that episode cut."""
+    scaler = RewardScaler(0.99, returns=EnvStates(idle_s=0.0, idle_segments=64))
+    tracker = EpisodeTracker(running=EnvStates(idle_s=0.0, idle_segments=64))
+    store = _store(segment_steps=2)
+    first = store.open_stream("first", 1)
+    for k in range(3):
+        _step(store, first, [0], k)
+    assemble(_drain(store), scaler, tracker)  # rows 0-1 of its episode 0
+    assert tracker.running.get(("first", 0)) is not None
+    for n in range(100):  # 100 sessions of 8 envs, one segment each
+        h = store.open_stream(f"host/{n}", 8)
+        for k in range(3):
+            _step(store, h, list(range(8)), k)
+        store.close_stream(h)
+        assemble(_drain(store), scaler, tracker)
+        assert len(tracker.running) <= 2 * 64 and len(scaler.returns) <= 2 * 64
+    assert tracker.running.get(("first", 0)) is None and scaler.returns.get(("first", 0)) is None
+    assert tracker.running.forgotten >= 801 - 2 * 64
+    _step(store, first, [0], 3)
+    _step(store, first, [0], 4, term=[True])  # its episode 0 ends: rows 0-3
+    assemble(_drain(store), scaler, tracker)  # rows 2-3: the trainer forgot rows 0-1
+    assert (tracker.cut, tracker.log.count) == (1, 0)

@@ -2,14 +2,17 @@
 
 Segments of one env arrive in order (the server cuts and sends them in
 order), so per-env state (discounted return for reward scaling, the running
-episode) is carried from one segment to the next.
+episode) is carried from one segment to the next, and forgotten once the env
+has gone quiet (:class:`EnvStates`).
 """
 
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -19,6 +22,16 @@ from edgerl.sim.episodes import EpisodeLog
 
 SegmentKey = tuple[str, int, int, int]
 """Identity of a segment's first transition: (session, env, episode, t)."""
+
+EnvKey = tuple[str, int]
+"""An env of a session: (session, env)."""
+
+ENV_IDLE_S = 600.0
+"""An env that has sent nothing for this long ..."""
+ENV_IDLE_SEGMENTS = 65536
+"""... while the trainer took this many segments has its per-env state forgotten."""
+
+V = TypeVar("V")
 
 
 def segment_key(seg: pb.Segment) -> SegmentKey:
@@ -45,6 +58,63 @@ class Deduplicator:
         if len(self._order) > self.capacity:
             self._seen.discard(self._order.popleft())
         return True
+
+
+class EnvStates(Generic[V]):
+    """Per-env state, forgotten for an env that has gone quiet.
+
+    A robot's session is named by its host and pid, new at each start, and so is a sim
+    fleet's: the state of every env that ever sent a segment was once kept for good (9.6 KB a
+    closed session of 32 envs, the reward scaler's and the episode tracker's). Time here runs
+    in periods, each at least ``idle_s`` seconds *and* ``idle_segments`` segments taken long;
+    an env that sent nothing in a whole period is forgotten at its end (so after one to two
+    periods of quiet). A trainer that stalls (nothing arrives) forgets nothing, and neither
+    does a slow robot among fast sims. An env that comes back later starts afresh, as a new one
+    does. Two plain dicts, the period's and the one before, hold it all: no clock per env.
+    """
+
+    def __init__(
+        self,
+        idle_s: float = ENV_IDLE_S,
+        idle_segments: int = ENV_IDLE_SEGMENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if idle_s < 0:
+            raise ValueError(f"idle_s must be >= 0, got {idle_s}")
+        if idle_segments < 1:
+            raise ValueError(f"idle_segments must be >= 1, got {idle_segments}")
+        self.idle_s = idle_s
+        self.idle_segments = idle_segments
+        self._clock = clock
+        self._now: dict[EnvKey, V] = {}
+        """The envs that sent a segment in this period."""
+        self._before: dict[EnvKey, V] = {}
+        """The envs that sent one in the period before and none since."""
+        self._taken = 0
+        self._period_taken = 0
+        self._period_s = clock()
+        self.forgotten = 0
+
+    def __len__(self) -> int:
+        return len(self._now) + len(self._before)
+
+    def get(self, key: EnvKey) -> V | None:
+        """The env's state, or None for an env not seen (or forgotten)."""
+        state = self._now.get(key)
+        return self._before.get(key) if state is None else state
+
+    def put(self, key: EnvKey, state: V) -> None:
+        """The env's state after one more of its segments; at a period's end, forgets the envs
+        that sent none in it."""
+        self._before.pop(key, None)
+        self._now[key] = state
+        self._taken += 1
+        if self._taken - self._period_taken >= self.idle_segments:
+            now = self._clock()
+            if now - self._period_s >= self.idle_s:
+                self.forgotten += len(self._before)
+                self._before, self._now = self._now, {}
+                self._period_taken, self._period_s = self._taken, now
 
 
 class RunningMeanStd:
@@ -74,43 +144,84 @@ class RunningMeanStd:
 class RewardScaler:
     """Divide rewards by the std of the discounted return, per env (CleanRL / gymnasium style)."""
 
-    def __init__(self, gamma: float, clip: float = 10.0, eps: float = 1e-8) -> None:
+    def __init__(
+        self, gamma: float, clip: float = 10.0, eps: float = 1e-8, returns: EnvStates[float] | None = None
+    ) -> None:
         self.gamma, self.clip, self.eps = gamma, clip, eps
         self.rms = RunningMeanStd()
-        self._returns: dict[tuple[str, int], float] = {}
+        self.returns: EnvStates[float] = EnvStates() if returns is None else returns
+        """Each env's discounted return so far."""
 
-    def scale(self, key: tuple[str, int], rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
-        g = self._returns.get(key, 0.0)
+    def scale(self, key: EnvKey, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        g = self.returns.get(key) or 0.0
         discounted = np.empty(len(rewards), np.float64)
         for i, (r, d) in enumerate(zip(rewards.tolist(), done.tolist(), strict=True)):
             g = g * self.gamma + r
             discounted[i] = g
             if d:
                 g = 0.0
-        self._returns[key] = g
+        self.returns.put(key, g)
         self.rms.update(discounted)
         scaled: np.ndarray = np.clip(rewards / np.sqrt(self.rms.var + self.eps), -self.clip, self.clip)
         return scaled.astype(np.float32)
 
 
+@dataclass(slots=True)
+class _Running:
+    """An env's episode in progress, and where its next segment must begin to go on with it."""
+
+    episode: int
+    t: int
+    ret: float = 0.0
+    length: int = 0
+    whole: bool = True
+    """Seen from its first step, with no step missing."""
+
+
 @dataclass
 class EpisodeTracker:
-    """Episode returns and lengths rebuilt from the transitions (raw rewards)."""
+    """Episode returns and lengths rebuilt from the transitions (raw rewards).
+
+    An episode is logged only if every one of its steps arrived: a trainer that joins a server
+    mid-run, a segment the server dropped (``overflow = "drop"``) and a step lost to a reconnect
+    all cut one, and a cut episode's return and length were once logged as if they were whole.
+    The cut ones are counted in ``cut``.
+    """
 
     log: EpisodeLog = field(default_factory=EpisodeLog)
-    _running: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    cut: int = 0
+    """Episodes that ended but were not logged: some of their steps never arrived."""
+    running: EnvStates[_Running] = field(default_factory=EnvStates)
+    """Each env's episode in progress."""
 
-    def add(self, key: tuple[str, int], rewards: np.ndarray, done: np.ndarray, autoreset: np.ndarray) -> None:
-        ret, length = self._running.get(key, (0.0, 0))
+    def add(
+        self,
+        key: EnvKey,
+        start: tuple[int, int],
+        rewards: np.ndarray,
+        done: np.ndarray,
+        autoreset: np.ndarray,
+    ) -> None:
+        """One segment of env ``key`` whose first row is ``start`` = (episode, t)."""
+        run = self.running.get(key)
+        if run is None or (run.episode, run.t) != start:
+            run = _Running(*start, whole=start[1] == 0)  # an episode's first row has t = 0
+        episode, t, ret, length, whole = run.episode, run.t, run.ret, run.length, run.whole
         for r, d, a in zip(rewards.tolist(), done.tolist(), autoreset.tolist(), strict=True):
-            if a:
+            if a:  # the env reset on this row's action: the next row begins an episode
+                episode, t, ret, length, whole = episode + 1, 0, 0.0, 0, True
                 continue
             ret += r
             length += 1
+            t += 1
             if d:
-                self.log.add(ret, length)
+                if whole:
+                    self.log.add(ret, length)
+                else:
+                    self.cut += 1
                 ret, length = 0.0, 0
-        self._running[key] = (ret, length)
+        run.episode, run.t, run.ret, run.length, run.whole = episode, t, ret, length, whole
+        self.running.put(key, run)
 
 
 @dataclass
@@ -155,7 +266,7 @@ def assemble(segments: list[pb.Segment], scaler: RewardScaler | None, episodes: 
         trunc = np.asarray(seg.truncated, bool)
         auto = np.asarray(seg.autoreset, bool)
         key = (seg.session_id, int(seg.env_id))
-        episodes.add(key, raw, term | trunc, auto)
+        episodes.add(key, (int(seg.episode), int(seg.t)), raw, term | trunc, auto)
         cols["obs_ext"] += [obs, boot]
         cols["obs_index"].append(np.arange(base, base + t))
         cols["next_index"].append(np.arange(base + 1, base + t + 1))

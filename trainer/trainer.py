@@ -349,6 +349,7 @@ class Trainer:
                 "staleness/masked_fallback_fraction": float(batch.fallback.mean()),
                 "staleness/masked_autoreset_fraction": float(batch.autoreset.mean()),
                 "charts/episodes": float(self.episodes.log.count),
+                "charts/episodes_cut": float(self.episodes.cut),
             }
         )
         if recent:
