@@ -123,8 +123,13 @@ def test_import_gives_the_transitions_the_robot_made(session: tuple[Path, Any]) 
                 assert (b.episode, b.t) == (a.episode + 1, 0)
             else:
                 assert (b.episode, b.t) == (a.episode, a.t + len(a.rewards))
-    batch = assemble(segments, None, EpisodeTracker())
+    tracker = EpisodeTracker()
+    batch = assemble(segments, None, tracker)
     assert batch.autoreset.sum() == sum(sum(s.autoreset) for s in segments)
+    # every episode the robots ended is in the bag whole: the trainer logs each of them
+    ended = (batch.terminated | batch.truncated) & ~batch.autoreset
+    assert (tracker.log.count, tracker.cut) == (int(ended.sum()), 0)
+    assert tracker.log.count >= 1
 
 
 def test_save_load_and_info(session: tuple[Path, Any], tmp_path: Path) -> None:
