@@ -183,9 +183,11 @@ class EpisodeTracker:
     """Episode returns and lengths rebuilt from the transitions (raw rewards).
 
     An episode is logged only if every one of its steps arrived: a trainer that joins a server
-    mid-run, a segment the server dropped (``overflow = "drop"``) and a step lost to a reconnect
-    all cut one, and a cut episode's return and length were once logged as if they were whole.
-    The cut ones are counted in ``cut``.
+    mid-run, a segment the server dropped (``overflow = "drop"``) and a client's reconnect with
+    an action in flight all cut one, and a cut episode's return and length were once logged as
+    if they were whole. The cut ones are counted in ``cut``. (The server numbers the step in
+    flight as lost, whether or not the client applied its action: a sim worker sends the same
+    observation again; such an episode is counted as cut, though none of it is missing.)
     """
 
     log: EpisodeLog = field(default_factory=EpisodeLog)
