@@ -842,17 +842,28 @@ def _describe(a: argparse.Namespace) -> int:
 
 
 def _bag(a: argparse.Namespace) -> int:
+    from edgerl.launch.progress import advance, step_bar
     from edgerl.robot_client import bags
 
     if a.bag == "msg":
         print(bags.STEP_MSG, end="")
-    elif a.bag == "info":
-        print(jsonout.dumps(bags.bag_info(a.path), indent=2))
+        return 0
+    bar = step_bar(f"bag {a.bag}", None, unit="msg")
+
+    def progress(read: int, total: int) -> None:
+        bar.total = total
+        advance(bar, read)
+
+    with bar:
+        if a.bag == "info":
+            info = bags.bag_info(a.path, progress)
+        else:
+            segments = bags.iter_segments(a.path, a.segment_steps, progress)
+            n_segments, rows = bags.save_transitions(segments, a.out)
+    if a.bag == "info":
+        print(jsonout.dumps(info, indent=2))
     else:
-        segments = bags.bag_to_segments(a.path, a.segment_steps)
-        bags.save_transitions(segments, a.out)
-        rows = sum(len(s.rewards) for s in segments)
-        print(f"edgerl: {rows} transitions in {len(segments)} segments -> {a.out}")
+        print(f"edgerl: {rows} transitions in {n_segments} segments -> {a.out}")
     return 0
 
 

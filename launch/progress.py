@@ -1,19 +1,22 @@
-"""The progress bar of a command that makes env steps (``edgerl rollout``, ``sim``, ``train``)."""
+"""The progress bar of a command that makes env steps (``edgerl rollout``, ``sim``, ``train``) or
+reads a bag's messages (``edgerl bag``)."""
 
 from __future__ import annotations
 
 from tqdm import tqdm
 
 
-def step_bar(desc: str, total: int | None, initial: int = 0, *, disable: bool = False) -> tqdm:
-    """A bar that counts env steps from ``initial`` (a resumed run's, or those the workers made
-    before the bar was shown) to ``total`` (``None``: without end), redrawn to the terminal's
-    width; ``disable`` hides it."""
+def step_bar(
+    desc: str, total: int | None, initial: int = 0, *, disable: bool = False, unit: str = "step"
+) -> tqdm:
+    """A bar that counts env steps (or another ``unit``) from ``initial`` (a resumed run's, or
+    those the workers made before the bar was shown) to ``total`` (``None``: without end),
+    redrawn to the terminal's width; ``disable`` hides it."""
     return tqdm(
         total=total,
         initial=initial,
         desc=desc,
-        unit="step",
+        unit=unit,
         unit_scale=True,
         dynamic_ncols=True,
         disable=disable,

@@ -25,17 +25,17 @@ flags of tick ``j``); a tick that reset the robot is an autoreset row.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
+import os
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
@@ -187,23 +187,72 @@ class BagRecorder:
             self.written += 1
 
 
-@dataclass
+TICK_KINDS = {"observation": JOINT_STATE, "action": FLOAT_ARRAY, "step": STEP_TYPE}
+"""The messages of one tick, by the last part of their topic: their types."""
+
+Progress = Callable[[int, int], None]
+"""Told (messages read, messages in all) while a bag is read."""
+
+
+@dataclass(frozen=True, slots=True)
+class BagStep:
+    """The fields of a tick's ``edgerl_msgs/msg/Step``, its header aside."""
+
+    tick: int
+    reward: float
+    terminated: bool
+    truncated: bool
+    fallback: bool
+    estop: bool
+    reset: bool
+    policy_version: int
+    log_prob: float
+    action_age: float
+
+    @classmethod
+    def of(cls, msg: Any) -> BagStep:
+        return cls(
+            int(msg.tick),
+            float(msg.reward),
+            bool(msg.terminated),
+            bool(msg.truncated),
+            bool(msg.fallback),
+            bool(msg.estop),
+            bool(msg.reset),
+            int(msg.policy_version),
+            float(msg.log_prob),
+            float(msg.action_age),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class BagTick:
     """One tick of one robot, read back from a bag."""
 
     time_ns: int
     obs: np.ndarray
     action: np.ndarray
-    step: Any
+    step: BagStep
 
 
-def read_bag(path: str | Path) -> dict[str, list[BagTick]]:
-    """The ticks of every robot in a bag, in tick order.
+def _tick_part(kind: str, msg: Any) -> Any:
+    """What a tick keeps of one of its messages."""
+    if kind == "observation":
+        return np.asarray(msg.position, np.float32)
+    if kind == "action":
+        return np.asarray(msg.data, np.float32)
+    return BagStep.of(msg)
+
+
+def bag_ticks(path: str | Path, progress: Progress | None = None) -> Iterator[tuple[str, BagTick]]:
+    """Each tick of a bag, as (robot, tick), in the bag's order (time), as soon as its three
+    messages are read; ``progress(read, total)`` is called every 1,000 messages and at the end.
+    What it holds does not grow with the bag: one tick a robot.
 
     Raises:
         FileNotFoundError: no bag at ``path``: nothing there, or a folder without ``metadata.yaml``.
         ValueError: the bag cannot be read, holds no edgerl robot topics, or a tick lacks one of
-            its messages.
+            its messages (said when the robot's next tick begins, or at the end).
     """
     folder = Path(path)
     if not folder.exists():
@@ -213,35 +262,65 @@ def read_bag(path: str | Path) -> dict[str, list[BagTick]]:
             f"bag {path}: no metadata.yaml in this folder (a rosbag2 bag is a folder with one)"
         )
     store = typestore()
-    parts: dict[str, dict[int, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
+    building: dict[str, tuple[int, dict[str, Any]]] = {}
+    """Each robot's tick not yet whole: (its time, its parts by kind)."""
+    last: dict[str, int] = {}
+    """Each robot's latest whole tick's time: a message of another kind stamped with it is not
+    the start of a new tick."""
     try:
         with Reader(folder) as reader:
             conns = [c for c in reader.connections if c.topic.startswith("/edgerl/")]
             if not conns:
                 raise ValueError(f"bag {path}: no /edgerl/<robot>/... topics")
+            for c in conns:
+                kind = c.topic.rsplit("/", 1)[-1]
+                if kind in TICK_KINDS and c.msgtype != TICK_KINDS[kind]:
+                    raise ValueError(f"bag {path}: topic {c.topic} is {c.msgtype}, not {TICK_KINDS[kind]}")
+            total = sum(c.msgcount for c in conns)
+            read = 0
             for conn, t_ns, raw in reader.messages(connections=conns):
+                read += 1
+                if progress is not None and read % 1000 == 0:
+                    progress(read, total)
                 _, _, robot, kind = conn.topic.split("/", 3)
-                parts[robot][t_ns][kind] = store.deserialize_cdr(raw, conn.msgtype)
+                if last.get(robot) == t_ns:
+                    continue
+                tick = building.get(robot)
+                if tick is None or tick[0] != t_ns:
+                    if tick is not None:  # a later tick begins: this one's messages all came before
+                        raise _lacks(path, robot, *tick)
+                    tick = building[robot] = (t_ns, {})
+                parts = tick[1]
+                if kind in TICK_KINDS:
+                    parts[kind] = _tick_part(kind, store.deserialize_cdr(raw, conn.msgtype))
+                else:  # a topic of another kind: not read, and the tick it alone starts is not whole
+                    parts[kind] = None
+                if all(k in parts for k in TICK_KINDS):
+                    del building[robot]
+                    last[robot] = t_ns
+                    yield robot, BagTick(t_ns, parts["observation"], parts["action"], parts["step"])
+            if progress is not None:
+                progress(read, total)
     except ReaderError as exc:  # its metadata or storage files missing or broken
         raise ValueError(f"bag {path}: cannot be read ({errors.first_line(exc, 'unreadable')})") from None
-    out: dict[str, list[BagTick]] = {}
-    for robot, by_time in parts.items():
-        ticks = []
-        for t_ns in sorted(by_time):
-            m = by_time[t_ns]
-            missing = {"observation", "action", "step"} - set(m)
-            if missing:
-                raise ValueError(f"bag {path}: robot {robot} at t={t_ns} ns lacks {sorted(missing)}")
-            ticks.append(
-                BagTick(
-                    t_ns,
-                    np.asarray(m["observation"].position, np.float32),
-                    np.asarray(m["action"].data, np.float32),
-                    m["step"],
-                )
-            )
-        out[robot] = sorted(ticks, key=lambda t: t.step.tick)
-    return out
+    if building:
+        robot, tick = min(building.items(), key=lambda item: (item[1][0], item[0]))
+        raise _lacks(path, robot, *tick)
+
+
+def _lacks(path: str | Path, robot: str, t_ns: int, parts: dict[str, Any]) -> ValueError:
+    missing = sorted(set(TICK_KINDS) - set(parts))
+    return ValueError(f"bag {path}: robot {robot} at t={t_ns} ns lacks {missing}")
+
+
+def read_bag(path: str | Path, progress: Progress | None = None) -> dict[str, list[BagTick]]:
+    """The ticks of every robot in a bag, in tick order, all in memory (~0.9 KB a tick; a
+    deserialised message with its header, names and layout took ~4.8 KB); ``progress`` and
+    errors as for :func:`bag_ticks`."""
+    ticks: dict[str, list[BagTick]] = defaultdict(list)
+    for robot, tick in bag_ticks(path, progress):
+        ticks[robot].append(tick)
+    return {robot: sorted(robot_ticks, key=lambda t: t.step.tick) for robot, robot_ticks in ticks.items()}
 
 
 _Row = tuple[BagTick, BagTick, bool]
@@ -272,8 +351,24 @@ def _segment(
     )
 
 
-def bag_to_segments(path: str | Path, segment_steps: int = 32) -> list[pb.Segment]:
-    """The transitions of a bag as trainer segments (identity: robot name, env 0, episode, t).
+@dataclass
+class _RobotRows:
+    """A robot's rows not yet in a segment, and where its next segment begins."""
+
+    prev: BagTick
+    rows: list[_Row] = field(default_factory=list)
+    episode: int = 0
+    t: int = 0
+    ended: bool = False
+    """The episode has ended and the robot was not reset yet."""
+
+
+def iter_segments(
+    path: str | Path, segment_steps: int = 32, progress: Progress | None = None
+) -> Iterator[pb.Segment]:
+    """The transitions of a bag as trainer segments (identity: robot name, env 0, episode, t),
+    each as soon as it is whole (robots' segments interleaved, each robot's in order); what it
+    holds does not grow with the bag. ``progress`` and errors as for :func:`bag_ticks`.
 
     Row ``j`` of a robot is (observation of tick ``j-1``, action of tick ``j``) with the
     reward and flags of tick ``j``; a robot's first tick has no observation before it and
@@ -283,53 +378,154 @@ def bag_to_segments(path: str | Path, segment_steps: int = 32) -> list[pb.Segmen
     """
     if segment_steps < 1:
         raise ValueError(f"segment_steps must be >= 1, got {segment_steps}")
-    segments: list[pb.Segment] = []
-    for robot, ticks in sorted(read_bag(path).items()):
-        episode, t = 0, 0
-        rows: list[_Row] = []
-        ended = False  # the episode has ended and the robot was not reset yet
-        for prev, cur in itertools.pairwise(ticks):
-            rows.append((prev, cur, ended or cur.step.reset))
-            ended = (ended or cur.step.terminated or cur.step.truncated) and not cur.step.reset
-            if cur.step.reset or len(rows) == segment_steps:
-                segments.append(_segment(robot, rows, cur.obs, seq=len(segments) + 1, episode=episode, t=t))
-                episode, t = (episode + 1, 0) if cur.step.reset else (episode, t + len(rows))
-                rows = []
-        if rows:
-            segments.append(_segment(robot, rows, ticks[-1].obs, seq=len(segments) + 1, episode=episode, t=t))
-    return segments
+    robots: dict[str, _RobotRows] = {}
+    seq = 0
+    for robot, cur in bag_ticks(path, progress):
+        r = robots.get(robot)
+        if r is None:
+            robots[robot] = _RobotRows(cur)
+            continue
+        if cur.step.tick <= r.prev.step.tick:
+            raise ValueError(
+                f"bag {path}: robot {robot}'s tick {cur.step.tick} at t={cur.time_ns} ns comes after "
+                f"its tick {r.prev.step.tick} (the bag's ticks are not in time order)"
+            )
+        r.rows.append((r.prev, cur, r.ended or cur.step.reset))
+        r.ended = (r.ended or cur.step.terminated or cur.step.truncated) and not cur.step.reset
+        r.prev = cur
+        if cur.step.reset or len(r.rows) == segment_steps:
+            seq += 1
+            yield _segment(robot, r.rows, cur.obs, seq=seq, episode=r.episode, t=r.t)
+            r.episode, r.t = (r.episode + 1, 0) if cur.step.reset else (r.episode, r.t + len(r.rows))
+            r.rows = []
+    for robot, r in sorted(robots.items()):
+        if r.rows:
+            seq += 1
+            yield _segment(robot, r.rows, r.prev.obs, seq=seq, episode=r.episode, t=r.t)
 
 
-def save_transitions(segments: Sequence[pb.Segment], path: str | Path) -> None:
-    """Write segments as one ``edgerl.v1.TransitionBatch`` message (what the Learner stream carries)."""
-    Path(path).write_bytes(pb.TransitionBatch(segments=segments).SerializeToString())
+def bag_to_segments(path: str | Path, segment_steps: int = 32) -> list[pb.Segment]:
+    """Every segment of :func:`iter_segments`, in a list."""
+    return list(iter_segments(path, segment_steps))
+
+
+_SEGMENTS_TAG = b"\x0a"
+"""``TransitionBatch.segments``: field 1, length-delimited."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def save_transitions(segments: Iterable[pb.Segment], path: str | Path) -> tuple[int, int]:
+    """Write segments as one ``edgerl.v1.TransitionBatch`` message (what the Learner stream
+    carries), one segment at a time: the bytes of the whole message, which is never built (a
+    long session's is past the 2 GiB that protobuf serialises at once). The file appears whole
+    or not at all. Returns the segments and the transitions written."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    n_segments = n_rows = 0
+    try:
+        with open(partial, "wb") as f:
+            for seg in segments:
+                data = seg.SerializeToString()
+                f.write(_SEGMENTS_TAG + _varint(len(data)) + data)
+                n_segments += 1
+                n_rows += len(seg.rewards)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return n_segments, n_rows
+
+
+def iter_transitions(path: str | Path) -> Iterator[pb.Segment]:
+    """The segments of a file written by :func:`save_transitions` (``edgerl bag import``), read
+    one at a time: a file past 2 GiB, which protobuf does not parse as one message, reads too.
+
+    Raises:
+        ValueError: the file is not a ``TransitionBatch`` of segments only, or is cut short.
+    """
+    with open(path, "rb") as f:
+        while tag := f.read(1):
+            if tag != _SEGMENTS_TAG:
+                raise ValueError(
+                    f"{path}: not an edgerl.v1.TransitionBatch (byte {f.tell() - 1} is no segment's start)"
+                )
+            size = _read_varint(f, path)
+            start = f.tell()
+            data = f.read(size)
+            if len(data) < size:
+                raise ValueError(f"{path}: cut short (a segment at byte {start} needs {size} bytes)")
+            yield pb.Segment.FromString(data)
+
+
+def _read_varint(f: BinaryIO, path: str | Path) -> int:
+    n = shift = 0
+    while byte := f.read(1):
+        n |= (byte[0] & 0x7F) << shift
+        if byte[0] < 0x80:
+            return n
+        shift += 7
+    raise ValueError(f"{path}: cut short (in a segment's length)")
 
 
 def load_transitions(path: str | Path) -> list[pb.Segment]:
-    """Segments written by :func:`save_transitions` (``edgerl bag import``)."""
-    batch = pb.TransitionBatch()
-    batch.ParseFromString(Path(path).read_bytes())
-    return list(batch.segments)
+    """Every segment of :func:`iter_transitions`, in a list."""
+    return list(iter_transitions(path))
 
 
-def bag_info(path: str | Path) -> dict[str, Any]:
-    """A summary of a bag: per robot ticks, duration, episodes, fallbacks, e-stops, versions."""
-    robots = read_bag(path)
+@dataclass
+class _RobotSummary:
+    ticks: int
+    first_ns: int
+    last_ns: int
+    obs_dim: int
+    act_dim: int
+    episodes_ended: int = 0
+    reward_sum: float = 0.0
+    fallbacks: int = 0
+    estop_ticks: int = 0
+    versions: tuple[int, int] | None = None
+    """The least and the greatest policy version of its policy actions."""
+
+
+def bag_info(path: str | Path, progress: Progress | None = None) -> dict[str, Any]:
+    """A summary of a bag: per robot ticks, duration, episodes, fallbacks, e-stops, versions;
+    ``progress`` and errors as for :func:`bag_ticks`, and as little held."""
+    robots: dict[str, _RobotSummary] = {}
+    for robot, tick in bag_ticks(path, progress):
+        r = robots.get(robot)
+        if r is None:
+            r = robots[robot] = _RobotSummary(0, tick.time_ns, tick.time_ns, tick.obs.size, tick.action.size)
+        s = tick.step
+        r.ticks += 1
+        r.first_ns, r.last_ns = min(r.first_ns, tick.time_ns), max(r.last_ns, tick.time_ns)
+        r.episodes_ended += s.terminated or s.truncated
+        r.reward_sum += s.reward
+        r.fallbacks += s.fallback
+        r.estop_ticks += s.estop
+        if not s.fallback:
+            v = s.policy_version
+            r.versions = (v, v) if r.versions is None else (min(r.versions[0], v), max(r.versions[1], v))
     out: dict[str, Any] = {"path": str(path), "robots": {}}
-    for robot, ticks in sorted(robots.items()):
-        steps = [t.step for t in ticks]
-        duration = (ticks[-1].time_ns - ticks[0].time_ns) / 1e9 if len(ticks) > 1 else 0.0
-        versions = [s.policy_version for s in steps if not s.fallback]
+    for robot, r in sorted(robots.items()):
+        duration = (r.last_ns - r.first_ns) / 1e9
         out["robots"][robot] = {
-            "ticks": len(ticks),
+            "ticks": r.ticks,
             "duration_s": duration,
-            "rate_hz": (len(ticks) - 1) / duration if duration > 0 else math.nan,
-            "episodes_ended": sum(s.terminated or s.truncated for s in steps),
-            "reward_sum": float(sum(s.reward for s in steps)),
-            "fallbacks": sum(s.fallback for s in steps),
-            "estop_ticks": sum(s.estop for s in steps),
-            "policy_versions": [min(versions), max(versions)] if versions else [],
-            "obs_dim": int(ticks[0].obs.size),
-            "act_dim": int(ticks[0].action.size),
+            "rate_hz": (r.ticks - 1) / duration if duration > 0 else math.nan,
+            "episodes_ended": r.episodes_ended,
+            "reward_sum": r.reward_sum,
+            "fallbacks": r.fallbacks,
+            "estop_ticks": r.estop_ticks,
+            "policy_versions": list(r.versions) if r.versions else [],
+            "obs_dim": r.obs_dim,
+            "act_dim": r.act_dim,
         }
     return out

@@ -15,17 +15,22 @@ from typing import Any
 import numpy as np
 import pytest
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
+from tqdm import tqdm
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
+from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.bags import (
     STEP_TYPE,
     BagRecorder,
     RobotTopics,
     bag_info,
+    bag_ticks,
     bag_to_segments,
+    iter_segments,
+    iter_transitions,
     load_transitions,
     read_bag,
     save_transitions,
@@ -155,10 +160,133 @@ def test_bag_cli(session: tuple[Path, Any], tmp_path: Path, capsys: pytest.Captu
     assert set(info["robots"]) == {"pendulum-0", "pendulum-1"}
     out = tmp_path / "x.pb"
     assert main(["bag", "import", str(path), "--out", str(out), "--segment-steps", "8"]) == 0
-    assert "transitions in" in capsys.readouterr().out
-    assert all(len(s.rewards) <= 8 for s in load_transitions(out))
+    said = capsys.readouterr()
+    segments = load_transitions(out)
+    rows = sum(len(s.rewards) for s in segments)
+    assert said.out == f"edgerl: {rows} transitions in {len(segments)} segments -> {out}\n"
+    assert all(len(s.rewards) <= 8 for s in segments)
+    messages = tqdm.format_sizeof(3 * sum(info["robots"][r]["ticks"] for r in info["robots"]))
+    assert f"| {messages}/{messages} [" in said.err.split("\r")[-1]  # the bar over the bag's messages, full
     assert main(["bag", "msg"]) == 0
     assert "uint64 policy_version" in capsys.readouterr().out
+
+
+def test_segments_come_while_the_bag_is_read_and_are_written_as_one_transition_batch(
+    session: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Nothing waits for the whole bag (a long session's ticks, all held, took ~4.8 KB each):
+    the first segment comes before the bag's end, and the file is written segment by segment."""
+    path, seen = session
+    told: list[tuple[int, int]] = []
+    segments = iter_segments(path, 16, progress=lambda read, total: told.append((read, total)))
+    first = next(segments)
+    assert told == []  # the reader tells its end (and every 1,000 messages): not reached yet
+    rest = list(segments)
+    messages = 3 * (len(seen[0]) + len(seen[1]))
+    assert told[-1] == (messages, messages)
+    out = tmp_path / "t.pb"
+    written = save_transitions(iter([first, *rest]), out)
+    assert written == (1 + len(rest), sum(len(s.rewards) for s in [first, *rest]))
+    assert out.read_bytes() == pb.TransitionBatch(segments=[first, *rest]).SerializeToString()
+    assert list(iter_transitions(out)) == [first, *rest]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pb"]
+
+
+def test_a_failed_write_leaves_no_file_and_an_earlier_one_as_it_was(
+    session: tuple[Path, Any], tmp_path: Path
+) -> None:
+    path, _ = session
+    out = tmp_path / "t.pb"
+    out.write_bytes(b"an earlier import")
+
+    def failing() -> Any:
+        yield from bag_to_segments(path)[:3]
+        raise ValueError("the bag broke")
+
+    with pytest.raises(ValueError, match=r"^the bag broke$"):
+        save_transitions(failing(), out)
+    assert out.read_bytes() == b"an earlier import"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pb"]
+
+
+def test_a_file_that_is_not_transitions_is_refused_naming_where(tmp_path: Path) -> None:
+    seg = pb.Segment(session_id="r", rewards=[1.0, 2.0])
+    whole = pb.TransitionBatch(segments=[seg, seg]).SerializeToString()
+    cases = {
+        "cut.pb": (whole[:-1], r"cut\.pb: cut short \(a segment at byte \d+ needs \d+ bytes\)$"),
+        "cut-length.pb": (whole[:1], r"cut-length\.pb: cut short \(in a segment's length\)$"),
+        "other.pb": (
+            b"\x12\x00",
+            r"other\.pb: not an edgerl\.v1\.TransitionBatch \(byte 0 is no segment's start\)$",
+        ),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=message):
+            load_transitions(tmp_path / name)
+    (tmp_path / "empty.pb").write_bytes(b"")
+    assert load_transitions(tmp_path / "empty.pb") == []
+
+
+def _rewritten(path: Path, out: Path, change: Any) -> Path:
+    """A copy of the bag at ``path`` whose messages pass through ``change(robot, kind, index, msg)``
+    (``index``: the robot's tick, counted from 0), which returns the message to write or None."""
+    store = typestore()
+    with Reader(path) as reader, Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+        conns = {c.id: writer.add_connection(c.topic, c.msgtype, typestore=store) for c in reader.connections}
+        counts: dict[str, int] = {}
+        for conn, t_ns, raw in reader.messages():
+            _, _, robot, kind = conn.topic.split("/", 3)
+            index = counts.get(conn.topic, 0)
+            counts[conn.topic] = index + 1
+            msg = change(robot, kind, index, store.deserialize_cdr(raw, conn.msgtype))
+            if msg is not None:
+                writer.write(conns[conn.id], t_ns, store.serialize_cdr(msg, conn.msgtype))
+    return out
+
+
+def test_a_tick_that_lacks_a_message_is_refused_when_its_robots_next_tick_begins(
+    session: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, seen = session
+    gap = _rewritten(
+        path,
+        tmp_path / "gap",
+        lambda robot, kind, index, msg: (
+            None if (robot, kind, index) == ("pendulum-0", "observation", 9) else msg
+        ),
+    )
+    before = []
+    with pytest.raises(
+        ValueError, match=r"gap: robot pendulum-0 at t=(\d+) ns lacks \['observation'\]$"
+    ) as info:
+        for robot, tick in bag_ticks(gap):
+            before.append((robot, tick.step.tick))
+    ticks = [tick for r, tick in before if r == "pendulum-0"]
+    assert ticks == [t.index for t, _, _ in seen[0][:9]]  # said at the next tick, not at the bag's end
+    assert len(before) < len(seen[0]) + len(seen[1]) - 2
+    assert int(info.value.args[0].split("t=")[1].split(" ")[0]) == read_bag(path)["pendulum-0"][9].time_ns
+    out = tmp_path / "x.pb"
+    assert main(["bag", "import", str(gap), "--out", str(out)]) == 2
+    assert "robot pendulum-0 at t=" in capsys.readouterr().err.splitlines()[-1]
+    assert not out.exists()
+
+
+def test_ticks_out_of_time_order_are_refused_on_import(session: tuple[Path, Any], tmp_path: Path) -> None:
+    path, seen = session
+
+    def renumbered(robot: str, kind: str, index: int, msg: Any) -> Any:
+        if (robot, kind, index) == ("pendulum-1", "step", 5):
+            msg.tick = 1000
+        return msg
+
+    bag = _rewritten(path, tmp_path / "renumbered", renumbered)
+    sixth = seen[1][6][0].index
+    with pytest.raises(
+        ValueError, match=rf"robot pendulum-1's tick {sixth} at t=\d+ ns comes after its tick 1000 "
+    ):
+        list(iter_segments(bag))
+    assert [t.step.tick for t in read_bag(bag)["pendulum-1"]][-1] == 1000  # read_bag sorts by tick
 
 
 def test_a_robot_e_stopped_when_its_episode_ends_is_held_and_its_rows_are_masked(tmp_path: Path) -> None:
@@ -210,6 +338,7 @@ def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
     bad_mcap = broken("bad-mcap", lambda bag: [f.write_bytes(b"not mcap") for f in bag.glob("*.mcap")])
     chatter = _string_bag(tmp_path / "chatter", "/chatter")  # a readable bag of another program
     partial = _string_bag(tmp_path / "partial", "/edgerl/r0/note")  # a robot's topic, not its tick
+    mistyped = _string_bag(tmp_path / "mistyped", "/edgerl/r0/step")
     cases = [
         (tmp_path / "missing", FileNotFoundError, r"missing: no such folder"),
         (tmp_path, FileNotFoundError, r": no metadata.yaml in this folder"),
@@ -218,6 +347,11 @@ def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
         (bad_mcap, ValueError, r"bad-mcap: cannot be read \(File magic is invalid"),
         (chatter, ValueError, r"chatter: no /edgerl/<robot>/\.\.\. topics$"),
         (partial, ValueError, r"partial: robot r0 at t=5 ns lacks \['action', 'observation', 'step'\]$"),
+        (
+            mistyped,
+            ValueError,
+            r"mistyped: topic /edgerl/r0/step is std_msgs/msg/String, not edgerl_msgs/msg/Step$",
+        ),
     ]
     for bag, error, message in cases:
         with pytest.raises(error, match=message):
