@@ -514,7 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes, and their env where both name one (a MujocoRobot does). "
         "Exit status 1 when it is not (no robot starts) or when its control loop failed (its last "
         "ticks ramp the robots to their stop action), "
-        f"{robot_cli.ESTOPPED_STATUS} when a robot ended e-stopped.",
+        f"{robot_cli.ESTOPPED_STATUS} when a robot ended e-stopped, "
+        f"{robot_cli.RECORDING_FAILED_STATUS} when none did but its --record bag failed (a full disk).",
     )
     robot_cli.add_arguments(p)
     add_client_security(p)

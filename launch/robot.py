@@ -39,6 +39,9 @@ from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
 """Exit status of ``edgerl robot`` when a robot ended the run e-stopped (latched until reset)."""
+RECORDING_FAILED_STATUS = 4
+"""Exit status of ``edgerl robot`` when its ``--record`` bag failed (a full disk) and no robot
+ended e-stopped: the robots ran on, the bag is incomplete."""
 RESET_SIGNAL = signal.SIGUSR1
 """The operator's e-stop reset of a running ``edgerl robot`` (``kill -USR1 PID``)."""
 STATS_EVERY_S = 2.0
@@ -346,7 +349,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                     print(f"edgerl robot: {_line(host.stats(), host.stream_stats())}", flush=True)
             stream = host.stream_stats()  # as it was running: stopping the host closes the stream
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
-        if recorder is not None:
+        if recorder is not None and recorder.error is None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)
     print(jsonout.dumps({"robots": stats, "stream": stream}, indent=2))
     if a.json:
@@ -365,6 +368,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             flush=True,
         )
         return 1
+    if recorder is not None and recorder.error is not None:
+        later = f"; the {recorder.lost} ticks after it were not recorded" if recorder.lost else ""
+        print(
+            f"edgerl robot: the recording in {a.record} failed {recorder.failed_when}, after "
+            f"{recorder.written} ticks ({errors.first_line(recorder.error)}){later}: the bag is incomplete",
+            file=sys.stderr,
+            flush=True,
+        )
     stopped = [_label(link) for link in _estopped(host)]
     if stopped:  # latched: a script running the robots must not take this run for a good one
         print(
@@ -373,4 +384,4 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             flush=True,
         )
         return ESTOPPED_STATUS
-    return 0
+    return 0 if recorder is None or recorder.error is None else RECORDING_FAILED_STATUS

@@ -100,6 +100,11 @@ class BagRecorder:
     ``record`` only appends to a queue (the control loop must not wait on a
     disk); a writer thread serialises and writes. If the queue grows past
     ``max_queued`` ticks, further ticks are dropped and counted in ``dropped``.
+
+    A write that fails (a full disk) ends the recording, not the robots: it is said once, kept
+    in ``error``, and the ticks after it are counted in ``lost``, not queued. The writer thread
+    once died with a traceback, the queue grew for the rest of the run, and the bag's close
+    raised again at the end, so ``edgerl robot`` ended with a second traceback and no statistics.
     """
 
     def __init__(self, path: str | Path, robots: Sequence[RobotTopics], max_queued: int = 100_000) -> None:
@@ -123,6 +128,14 @@ class BagRecorder:
         self._max_queued = max_queued
         self.written = 0
         self.dropped = 0
+        self.lost = 0
+        """Ticks handed over after the recording failed (or queued when it did)."""
+        self.error: BaseException | None = None
+        """Why the recording failed, if it did: the bag is incomplete."""
+        self.failed_when = ""
+        """When it failed: "while the robots ran" or "as the bag was closed"."""
+        self._in_hand = 0
+        """1 while the writer thread writes a tick's messages."""
         # Monotonic control-loop times, shifted to the wall clock at the start.
         self._offset = time.time() - time.monotonic()
         self._thread = threading.Thread(target=self._run, name="bag-writer", daemon=True)
@@ -130,26 +143,54 @@ class BagRecorder:
 
     def record(self, index: int, tick: Any, reading: Any, was_reset: bool) -> None:
         """Queue one tick of robot ``index`` (control thread); fits ``RobotHost(on_tick=...)``."""
+        if self.error is not None:
+            self.lost += 1
+            return
         if self._queue.qsize() >= self._max_queued:
             self.dropped += 1
             return
         self._queue.put((index, tick, reading, was_reset))
 
     def close(self) -> None:
-        """Write what is queued and close the bag."""
+        """Write what is queued and close the bag (a failure is kept in ``error``, not raised)."""
         self._queue.put(None)
         self._thread.join()
-        self._writer.close()
+        try:
+            self._writer.close()
+        except Exception as exc:  # the last chunk, the summary, metadata.yaml: a full disk again
+            if self.error is None:
+                self._failed(exc, "as the bag was closed")
         if self.dropped:
             log.warning("bag %s: %d ticks dropped (writer too slow)", self.path, self.dropped)
 
+    def _failed(self, exc: BaseException, when: str) -> None:
+        self.error = exc
+        self.failed_when = when
+        log.error(
+            "bag %s: the recording failed %s, after %d ticks (%s); the bag is incomplete",
+            self.path,
+            when,
+            self.written,
+            errors.first_line(exc),
+        )
+
     def _run(self) -> None:
+        try:
+            self._write_queued()
+        except Exception as exc:
+            self._failed(exc, "while the robots ran")
+            self.lost += self._in_hand  # the tick whose messages were being written
+            while self._queue.get() is not None:  # what was queued is lost; record() queues no more
+                self.lost += 1
+
+    def _write_queued(self) -> None:
         types = self.store.types
         header_t, time_t = types["std_msgs/msg/Header"], types["builtin_interfaces/msg/Time"]
         joint_state_t, float_array_t, step_t = types[JOINT_STATE], types[FLOAT_ARRAY], types[STEP_TYPE]
         layout_t, dim_t = types["std_msgs/msg/MultiArrayLayout"], types["std_msgs/msg/MultiArrayDimension"]
         empty = np.zeros(0, np.float64)
         while (item := self._queue.get()) is not None:
+            self._in_hand = 1
             index, tick, reading, was_reset = item
             robot = self.robots[index]
             c_obs, c_act, c_step = self._conns[index]
@@ -185,6 +226,7 @@ class BagRecorder:
             ):
                 self._writer.write(conn, t_ns, self.store.serialize_cdr(msg, typ))
             self.written += 1
+            self._in_hand = 0
 
 
 TICK_KINDS = {"observation": JOINT_STATE, "action": FLOAT_ARRAY, "step": STEP_TYPE}

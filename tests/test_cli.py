@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.launch.processes import fleet_groups
 from edgerl.launch.progress import advance, step_bar
+from edgerl.launch.robot import RECORDING_FAILED_STATUS
 from edgerl.launch.train import RunConfig
 from edgerl.models import build_policy
 from edgerl.sim.envs import env_spec
@@ -582,6 +584,62 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
     assert ticks >= 50  # at 50 Hz for the 2 s before its first report
     assert (bag / "metadata.yaml").exists()  # written when the bag is closed
     assert len(next(iter(read_bag(bag).values()))) == ticks  # every tick recorded
+
+
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child's files cannot grow past ``limit`` bytes. A write past it fails
+    with EFBIG (SIGXFSZ, which would kill the child, is ignored): a full disk, for its files."""
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limited
+
+
+FULL_DISKS = {  # robots, Hz, seconds, the file size limit, when the recording fails
+    "while-running": (8, 100, 5, 200_000, "while the robots ran"),  # rosbags writes a chunk each 1 MiB
+    "at-close": (1, 50, 1, 4_096, "as the bag was closed"),  # its one chunk is written at the close
+}
+
+
+@pytest.mark.parametrize("case", list(FULL_DISKS))
+def test_a_recording_that_fails_on_a_full_disk_ends_the_bag_not_the_robots(tmp_path: Path, case: str) -> None:
+    """The robots run on to the end: the failure is said once as it happens and once at the end,
+    every tick is either written or counted as lost, and the command ends with status 4 (it
+    ended with a traceback and no statistics, its writer thread having died with another)."""
+    robots, hz, seconds, limit, when = FULL_DISKS[case]
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=0), spec.act_low, spec.act_high)
+    bag, stats = tmp_path / "bag", tmp_path / "robot.json"
+    with ServerThread(backend) as server:
+        args = ["robot", "--server", server.address, "--robot-arg", "env=InvertedPendulum-v5",
+                "--robots", str(robots), "--hz", str(hz), "--seconds", str(seconds),
+                "--record", str(bag), "--json", str(stats)]  # fmt: skip
+        run = subprocess.run(
+            [*EDGERL, *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_file_size_limit(limit),
+        )
+    assert run.returncode == RECORDING_FAILED_STATUS, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    said = re.fullmatch(
+        rf"edgerl robot: the recording in {re.escape(str(bag))} failed {when}, after (\d+) ticks "
+        r"\(\[Errno 27\] File too large\)(?:; the (\d+) ticks after it were not recorded)?: "
+        r"the bag is incomplete",
+        run.stderr.splitlines()[-1],
+    )
+    assert said, run.stderr.splitlines()[-1]
+    written, lost = int(said[1]), int(said[2] or 0)
+    logged = [line for line in run.stderr.splitlines() if "edgerl.robot_client.bags" in line]
+    assert len(logged) == 1 and f"the recording failed {when}" in logged[0], logged
+    ticks = [r["ticks"] for r in json.loads(stats.read_text())["robots"]]
+    assert written + lost == sum(ticks)  # every tick: written, or lost after the failure
+    assert min(ticks) >= 0.8 * hz * seconds  # each robot ran on to the end
+    assert (lost > 0) == (when == "while the robots ran")
 
 
 def _torch_free(pgid: int, processes: int) -> None:
