@@ -55,6 +55,7 @@ from edgerl.models import POLICY_PRESETS
 from edgerl.robot_client import errors
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
+from edgerl.trainer.runfiles import RunFilesError
 from edgerl.watchdog.watchdog import Fallback
 
 _C = TypeVar("_C")
@@ -940,8 +941,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:  # bad option values or config files
         print(f"edgerl: error: {str(exc).strip(chr(34))}", file=sys.stderr)
         return 2
-    except (BindError, ServerStartError, ServerLostError, WorkerError, errors.EdgeRLError) as exc:
-        # a process failed, as it said, or a call to a server did (its status and message); a
-        # note says how to go on (train: the checkpoint to resume from)
+    except (
+        BindError,
+        ServerStartError,
+        ServerLostError,
+        WorkerError,
+        errors.EdgeRLError,
+        RunFilesError,
+    ) as exc:
+        # a process failed, as it said, or a call to a server did (its status and message), or a
+        # run's file could not be written; a note says how to go on (train: the checkpoint to
+        # resume from)
         print(f"edgerl: error: {exc}{''.join(getattr(exc, '__notes__', ()))}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file the command writes (--json, --out): a full disk, a folder made read-only
+        print(f"edgerl: error: {exc}", file=sys.stderr)
         return 1

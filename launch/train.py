@@ -43,6 +43,7 @@ from edgerl.launch.progress import advance, step_bar
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.config import TrainerConfig
+from edgerl.trainer.runfiles import RunFilesError, writing
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,8 @@ def run_training(
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
+    with writing(run_dir / "config.json"):
+        (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
     torch.set_num_threads(cfg.ppo.torch_threads)
     policy_spec = PolicySpec(
         env_name=cfg.env,
@@ -352,7 +354,7 @@ def run_training(
                 except errors.EdgeRLError:  # a call that failed because the server is gone says so
                     server.check(wait_s=1.0)
                     raise
-            except (ServerLostError, WorkerError, errors.EdgeRLError) as exc:
+            except (ServerLostError, WorkerError, errors.EdgeRLError, RunFilesError) as exc:
                 if hint := _resume_hint(run_dir):
                     exc.add_note(hint)  # the command line prints it after the error
                 raise
@@ -382,5 +384,6 @@ def run_training(
         "interrupted": stop.set,
         "run_dir": str(run_dir),
     }
-    jsonout.write_json(summary, str(run_dir / "summary.json"))
+    with writing(run_dir / "summary.json"):
+        jsonout.write_json(summary, str(run_dir / "summary.json"))
     return summary

@@ -175,6 +175,17 @@ EDGERL = [sys.executable, "-m", "edgerl.launch"]
 """The ``edgerl`` command in this interpreter, wherever its console script is."""
 
 
+def file_size_limited(limit: int, command: list[str]) -> list[str]:
+    """``command`` run with files that cannot grow past ``limit`` bytes: a write past it fails with
+    EFBIG (SIGXFSZ, which would kill the process, is ignored): a full disk, for its files alone."""
+    code = (
+        "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+        "os.execv(sys.argv[2], sys.argv[2:])"
+    )
+    return [sys.executable, "-c", code, str(limit), *command]
+
+
 @contextlib.contextmanager
 def serving(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``edgerl serve --port 0 ARGS`` running: yields its process and its first line of output

@@ -20,7 +20,8 @@ from edgerl.models import GaussianMLPPolicy, build_policy, gaussian_log_prob
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.config import TrainerConfig
-from edgerl.trainer.trainer import Trainer, load_payload
+from edgerl.trainer.runfiles import RunFilesError, os_error, writing
+from edgerl.trainer.trainer import MetricsLog, Trainer, load_payload
 from tests.helpers import EDGERL, random_batch, serving
 
 CHEETAH = env_spec("HalfCheetah-v5")  # 17 observation values, 6 action values
@@ -41,6 +42,48 @@ def _trained(run_dir: Path, *, run_info: dict[str, str] | None, updates: int = 2
 
 
 RUN_INFO = {"env": "HalfCheetah-v5", "policy": "mlp-small", "model": ""}
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_naming_it_and_the_last_one_stands(tmp_path: Path) -> None:
+    """A checkpoint written to a full disk (``/dev/full``: every write fails with ENOSPC) is one
+    error naming it, not ``torch.save``'s ``RuntimeError: [enforce fail at
+    inline_container.cc:672]``, and leaves neither its half-written file nor a changed link."""
+    trainer = _trained(tmp_path / "run", run_info=RUN_INFO, updates=2)
+    folder = tmp_path / "run" / "checkpoints"
+    before = sorted(p.name for p in folder.iterdir())
+    (folder / "ckpt-00000003.tmp").symlink_to("/dev/full")
+    trainer.state.version = 3
+    with pytest.raises(
+        RunFilesError, match=r"^cannot write .*/ckpt-00000003\.pt: \[Errno 28\] No space left on device$"
+    ):
+        trainer.save_checkpoint()
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert (folder / "latest.pt").readlink() == Path("ckpt-00000002.pt")
+    assert read_checkpoint(str(tmp_path / "run")).version == 2
+
+
+def test_metrics_that_cannot_be_written_fail_once_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    metrics = MetricsLog(tmp_path, tensorboard=False)
+    with pytest.raises(RunFilesError, match=r"^cannot write .*/metrics\.jsonl: \[Errno 28\] No space left"):
+        metrics.write(1, {"losses/value": 1.0})
+    metrics.close()  # said once: the run's own error stands
+
+
+def test_writing_names_the_system_error_behind_a_failed_write_and_lets_others_through() -> None:
+    def chained() -> None:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("basic_ios::clear: iostream error") from None
+
+    assert os_error(ValueError("bad")) is None
+    with pytest.raises(RunFilesError, match=r"^cannot write f\.pt: \[Errno 28\] No space left on device$"):
+        with writing("f.pt"):
+            chained()  # as torch.save reports it: the OSError is the RuntimeError's context
+    with pytest.raises(ValueError, match=r"^bad$"):
+        with writing("f.pt"):
+            raise ValueError("bad")
 
 
 def test_a_run_folder_serves_its_newest_checkpoint_and_says_what_it_holds(tmp_path: Path) -> None:

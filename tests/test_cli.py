@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import re
-import resource
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from tests.helpers import (
     ServerThread,
     act_once,
     check_machine_block,
+    file_size_limited,
     free_port,
     serving,
     wait_until,
@@ -586,17 +586,6 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
     assert len(next(iter(read_bag(bag).values()))) == ticks  # every tick recorded
 
 
-def _file_size_limit(limit: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child's files cannot grow past ``limit`` bytes. A write past it fails
-    with EFBIG (SIGXFSZ, which would kill the child, is ignored): a full disk, for its files."""
-
-    def limited() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return limited
-
-
 FULL_DISKS = {  # robots, Hz, seconds, the file size limit, when the recording fails
     "while-running": (8, 100, 5, 200_000, "while the robots ran"),  # rosbags writes a chunk each 1 MiB
     "at-close": (1, 50, 1, 4_096, "as the bag was closed"),  # its one chunk is written at the close
@@ -616,14 +605,8 @@ def test_a_recording_that_fails_on_a_full_disk_ends_the_bag_not_the_robots(tmp_p
         args = ["robot", "--server", server.address, "--robot-arg", "env=InvertedPendulum-v5",
                 "--robots", str(robots), "--hz", str(hz), "--seconds", str(seconds),
                 "--record", str(bag), "--json", str(stats)]  # fmt: skip
-        run = subprocess.run(
-            [*EDGERL, *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            preexec_fn=_file_size_limit(limit),
-        )
+        command = file_size_limited(limit, [*EDGERL, *args])
+        run = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == RECORDING_FAILED_STATUS, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     said = re.fullmatch(

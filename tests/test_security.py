@@ -253,3 +253,12 @@ def test_missing_tls_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tls_cert: no file"):
         server_credentials(str(tmp_path / "nope.pem"), str(key))
     asyncio.set_event_loop(None)
+
+
+def test_a_folder_edgerl_certs_cannot_write_ends_it_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A file a command cannot write (here a folder under a device) is one line and exit code 1,
+    where it was a traceback."""
+    from edgerl.launch.cli import main
+
+    assert main(["certs", "/dev/full/pki"]) == 1
+    assert capsys.readouterr().err == "edgerl: error: [Errno 20] Not a directory: '/dev/full/pki'\n"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
-from tests.helpers import EDGERL, check_machine_block, child_pids, ended, wait_until
+from tests.helpers import EDGERL, check_machine_block, child_pids, ended, file_size_limited, wait_until
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
@@ -227,6 +227,64 @@ def test_a_run_killed_leaves_no_process_behind(command: str, tmp_path: Path) -> 
         for pipe in (proc.stdout, proc.stderr):
             assert pipe is not None
             pipe.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_it_goes_on_from_its_checkpoint(tmp_path: Path) -> None:
+    """A run whose files cannot grow (each at most 150 KB here: TensorBoard's fills first) ends
+    with exit code 1 and one line naming the file, the system's reason and the checkpoint to go
+    on from; no traceback (TensorBoard's writer thread says its failure in one line), no
+    half-written checkpoint, no process left. Once there is room, it goes on from there."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        *EDGERL,
+        "train",
+        "--steps",
+        "500000",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "ppo.checkpoint_every=2",
+    ]
+    with subprocess.Popen(
+        file_size_limited(150_000, cmd),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            _, err = proc.communicate(timeout=300)
+        finally:
+            wait_until(lambda: not _group_alive(proc.pid), timeout_s=30.0)  # its server and workers ended
+    assert proc.returncode == 1, err[-2000:]
+    said = err.splitlines()[-1]
+    hint = f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
+    failed = re.fullmatch(
+        rf"edgerl: error: cannot write {re.escape(str(run_dir))}/(tb|metrics\.jsonl): "
+        rf"\[Errno 27\] File too large{re.escape(hint)}",
+        said,
+    )
+    assert failed, said
+    assert failed[1] == "tb"  # ~1.9 KB an update, metrics.jsonl ~1.2 KB, a checkpoint ~65 KB
+    assert "Traceback" not in err
+    assert f"ERROR edgerl.trainer.runfiles: TensorBoard ({run_dir}/tb) could not write: [Errno 27]" in err
+    checkpoints = run_dir / "checkpoints"
+    assert {p.suffix for p in checkpoints.iterdir()} == {".pt"}  # no half-written .tmp
+    version = int((checkpoints / "latest.pt").readlink().stem.split("-")[1])
+    assert version >= 10  # the final checkpoint, at the update that failed
+    rows = len(_metrics(run_dir))
+    summary = _train(["--run-dir", str(run_dir), "--resume", "--steps", "60000"], tmp_path, "resumed")
+    assert summary["env_steps"] >= 60_000
+    resumed = [m["charts/policy_version"] for m in _metrics(run_dir)[rows:]]
+    assert resumed[0] == version + 1 and resumed == sorted(resumed)
 
 
 @pytest.mark.parametrize("fault", ["refused", "server gone"])

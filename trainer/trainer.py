@@ -12,12 +12,14 @@ synchronous mode, by design.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
+import threading
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from edgerl.trainer.config import TrainerConfig
 from edgerl.trainer.feed import TransitionFeed, learner_channel, publish_weights
 from edgerl.trainer.policies import TrainablePolicy, trainable
 from edgerl.trainer.ppo import LossCoefs, gae, group_advantages, normalize_advantages, segment_positions
+from edgerl.trainer.runfiles import RunFilesError, quiet_writer_threads, writing
 from edgerl.trainer.segments import Batch, EpisodeTracker, RewardScaler, assemble
 from edgerl.trainer.steps import Targets, minibatch_step
 
@@ -50,29 +53,60 @@ class MetricsLog:
     """Per-update scalars to ``metrics.jsonl`` and TensorBoard, on one global-step axis."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._jsonl_path, self._tb_path = run_dir / "metrics.jsonl", run_dir / "tb"
+        self._failed: set[Path] = set()
+        with writing(self._jsonl_path):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = self._jsonl_path.open("a", buffering=1)
         self._tb: Any = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "tb"))
+                before = set(threading.enumerate())
+                with writing(self._tb_path):
+                    self._tb = SummaryWriter(str(self._tb_path))
+                quiet_writer_threads(set(threading.enumerate()) - before, f"TensorBoard ({self._tb_path})")
             except ImportError:  # pragma: no cover - tensorboard is a dependency
                 log.warning("tensorboard is not installed; logging to metrics.jsonl only")
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         """One line of ``scalars`` at ``step``. A non-finite value (the explained variance of
-        returns that do not vary) is ``null`` in the file, which stays standard JSON."""
-        self._jsonl.write(jsonout.dumps({"global_step": step, "time": time.time(), **scalars}) + "\n")
+        returns that do not vary) is ``null`` in the file, which stays standard JSON.
+
+        Raises:
+            RunFilesError: a file could not be written.
+        """
+        with self._writing(self._jsonl_path):
+            self._jsonl.write(jsonout.dumps({"global_step": step, "time": time.time(), **scalars}) + "\n")
         if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k, v, step)
+            with self._writing(self._tb_path):
+                for k, v in scalars.items():
+                    self._tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close the files (each, whatever the other did); raises :class:`RunFilesError` if one
+        could not be written, unless :meth:`write` raised that already."""
+        try:
+            with self._writing(self._jsonl_path):
+                self._jsonl.close()
+        finally:
+            if self._tb is not None:
+                with self._writing(self._tb_path):
+                    self._tb.close()
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        """:func:`writing`, said once a file: TensorBoard's writer raises its thread's failure
+        again at each call, its close included."""
+        try:
+            with writing(path):
+                yield
+        except RunFilesError:
+            if path in self._failed:
+                return
+            self._failed.add(path)
+            raise
 
 
 @dataclass
@@ -192,6 +226,7 @@ class Trainer:
         ).start()
         start = time.monotonic() - self.state.wall_s
         last_t, last_received = time.monotonic(), 0
+        failed: BaseException | None = None
         try:
             while self.state.env_steps < cfg.total_steps and not should_stop():
                 segments = feed.take(cfg.batch_steps, should_stop)
@@ -228,13 +263,34 @@ class Trainer:
                     on_update(scalars)
                 if cfg.checkpoint_every and self.state.updates % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
+        except BaseException as exc:
+            failed = exc
+            raise
         finally:
             feed.close()
             self._channel.close()
-            if self.state.updates:
-                self.save_checkpoint()
-            metrics.close()
+            self._close_files(metrics, failed)
         return self.state
+
+    def _close_files(self, metrics: MetricsLog, failed: BaseException | None) -> None:
+        """The last checkpoint, then the metrics' files, each tried whatever the other did. A
+        file that cannot be written is raised, or, where the run failed already, said in a note
+        on that error (a full disk once had the final checkpoint's error take the place of the
+        metrics' that had stopped the run)."""
+        late: RunFilesError | None = None
+        if self.state.updates:
+            try:
+                self.save_checkpoint()
+            except RunFilesError as exc:
+                late = exc
+        try:
+            metrics.close()
+        except RunFilesError as exc:
+            late = late or exc
+        if late is not None:
+            if failed is None:
+                raise late
+            failed.add_note(f"; and {late}")
 
     def _server_counters(self, stub: pb_grpc.EdgePolicyStub) -> dict[str, float]:
         try:
@@ -361,7 +417,6 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Weights (normaliser included), optimiser, reward scaler, version and counters."""
         folder = self.run_dir / CHECKPOINT_DIR
-        folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"ckpt-{self.state.version:08d}.pt"
         payload = {
             "policy": self.policy.module.state_dict(),
@@ -373,13 +428,23 @@ class Trainer:
             **self.policy.checkpoint_meta(),
         }
         tmp = path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)
-        latest = folder / LATEST
-        latest.unlink(missing_ok=True)
-        latest.symlink_to(path.name)
-        for old in sorted(folder.glob("ckpt-*.pt"))[: -self.config.keep_checkpoints]:
-            old.unlink()
+        try:
+            with writing(path):
+                folder.mkdir(parents=True, exist_ok=True)
+                # a Python file: a failed write raises its OSError, where torch's own C++ stream
+                # said only "basic_ios::clear: iostream error"
+                with open(tmp, "wb") as f:
+                    torch.save(payload, f)
+        except RunFilesError:
+            tmp.unlink(missing_ok=True)  # half written: the last checkpoint stands
+            raise
+        with writing(path):
+            tmp.replace(path)
+            latest = folder / LATEST
+            latest.unlink(missing_ok=True)
+            latest.symlink_to(path.name)
+            for old in sorted(folder.glob("ckpt-*.pt"))[: -self.config.keep_checkpoints]:
+                old.unlink()
         return path
 
     def load_checkpoint(self, path: Path) -> None:
