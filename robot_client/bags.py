@@ -467,22 +467,32 @@ def _varint(n: int) -> bytes:
 def save_transitions(segments: Iterable[pb.Segment], path: str | Path) -> tuple[int, int]:
     """Write segments as one ``edgerl.v1.TransitionBatch`` message (what the Learner stream
     carries), one segment at a time: the bytes of the whole message, which is never built (a
-    long session's is past the 2 GiB that protobuf serialises at once). The file appears whole
-    or not at all. Returns the segments and the transitions written."""
+    long session's is past the 2 GiB that protobuf serialises at once). A file appears whole or
+    not at all (it is written under a temporary name); a path that is not a file of its own (a
+    pipe, ``/dev/stdout``, a link) is written as it is, never replaced. Returns the segments and
+    the transitions written."""
     path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        with open(path, "wb") as f:
+            return _write_segments(segments, f)
     partial = path.with_name(path.name + ".partial")
-    n_segments = n_rows = 0
     try:
         with open(partial, "wb") as f:
-            for seg in segments:
-                data = seg.SerializeToString()
-                f.write(_SEGMENTS_TAG + _varint(len(data)) + data)
-                n_segments += 1
-                n_rows += len(seg.rewards)
+            written = _write_segments(segments, f)
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+    return written
+
+
+def _write_segments(segments: Iterable[pb.Segment], f: BinaryIO) -> tuple[int, int]:
+    n_segments = n_rows = 0
+    for seg in segments:
+        data = seg.SerializeToString()
+        f.write(_SEGMENTS_TAG + _varint(len(data)) + data)
+        n_segments += 1
+        n_rows += len(seg.rewards)
     return n_segments, n_rows
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -207,6 +209,29 @@ def test_a_failed_write_leaves_no_file_and_an_earlier_one_as_it_was(
         save_transitions(failing(), out)
     assert out.read_bytes() == b"an earlier import"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pb"]
+
+
+def test_a_pipe_or_a_link_given_as_the_output_is_written_through_not_replaced(
+    session: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """``--out /dev/stdout`` (a link to a pipe or a terminal) once was, under the temporary
+    name: renamed over, as root it would have replaced the system's ``/dev/stdout``."""
+    path, _ = session
+    segments = bag_to_segments(path)
+    whole = pb.TransitionBatch(segments=segments).SerializeToString()
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()), daemon=True)
+    reader.start()
+    save_transitions(segments, pipe)
+    reader.join(10.0)
+    assert got == [whole] and stat.S_ISFIFO(pipe.lstat().st_mode)
+    target, link = tmp_path / "target.pb", tmp_path / "link.pb"
+    link.symlink_to(target)
+    save_transitions(segments, link)
+    assert link.is_symlink() and target.read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.pb", "pipe", "target.pb"]
 
 
 def test_a_file_that_is_not_transitions_is_refused_naming_where(tmp_path: Path) -> None:
