@@ -128,8 +128,10 @@ class BagRecorder:
         self._max_queued = max_queued
         self.written = 0
         self.dropped = 0
-        self.lost = 0
-        """Ticks handed over after the recording failed (or queued when it did)."""
+        self._refused = 0
+        """Ticks handed over after the recording failed (counted by the control thread)."""
+        self._dropped_queued = 0
+        """Ticks queued or in hand when it failed (counted by the writer thread)."""
         self.error: BaseException | None = None
         """Why the recording failed, if it did: the bag is incomplete."""
         self.failed_when = ""
@@ -144,12 +146,17 @@ class BagRecorder:
     def record(self, index: int, tick: Any, reading: Any, was_reset: bool) -> None:
         """Queue one tick of robot ``index`` (control thread); fits ``RobotHost(on_tick=...)``."""
         if self.error is not None:
-            self.lost += 1
+            self._refused += 1
             return
         if self._queue.qsize() >= self._max_queued:
             self.dropped += 1
             return
         self._queue.put((index, tick, reading, was_reset))
+
+    @property
+    def lost(self) -> int:
+        """Ticks not recorded because the recording had failed (queued then, or handed over later)."""
+        return self._refused + self._dropped_queued
 
     def close(self) -> None:
         """Write what is queued and close the bag (a failure is kept in ``error``, not raised)."""
@@ -179,9 +186,9 @@ class BagRecorder:
             self._write_queued()
         except Exception as exc:
             self._failed(exc, "while the robots ran")
-            self.lost += self._in_hand  # the tick whose messages were being written
+            self._dropped_queued += self._in_hand  # the tick whose messages were being written
             while self._queue.get() is not None:  # what was queued is lost; record() queues no more
-                self.lost += 1
+                self._dropped_queued += 1
 
     def _write_queued(self) -> None:
         types = self.store.types
