@@ -27,9 +27,9 @@ EnvKey = tuple[str, int]
 """An env of a session: (session, env)."""
 
 ENV_IDLE_S = 600.0
-"""An env that has sent nothing for this long ..."""
+"""A period of :class:`EnvStates` lasts at least this long (seconds) ..."""
 ENV_IDLE_SEGMENTS = 65536
-"""... while the trainer took this many segments has its per-env state forgotten."""
+"""... and at least this many segments taken: an env quiet for a whole period is forgotten."""
 
 V = TypeVar("V")
 
