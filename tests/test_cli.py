@@ -587,7 +587,7 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
 
 
 FULL_DISKS = {  # robots, Hz, seconds, the file size limit, when the recording fails
-    "while-running": (8, 100, 5, 200_000, "while the robots ran"),  # rosbags writes a chunk each 1 MiB
+    "while-running": (8, 100, 8, 200_000, "while the robots ran"),  # a chunk each 1 MiB: ~4 s in
     "at-close": (1, 50, 1, 4_096, "as the bag was closed"),  # its one chunk is written at the close
 }
 
