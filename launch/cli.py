@@ -542,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bag",
         formatter_class=_FMT,
-        help="ROS 2 bags of robot sessions: summarise, import as transitions",
+        help="ROS 2 bags of robot sessions: summarise, import as transitions, repair",
         description="Work with bags written by edgerl robot --record.",
     )
     bag = p.add_subparsers(dest="bag", required=True, metavar="ACTION")
@@ -560,6 +560,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("path", help="bag folder")
     q.add_argument("--out", required=True, type=output_file, help="output file (required)")
     q.add_argument("--segment-steps", type=COUNT, default=32, help="transitions per segment")
+    _add_common(q)
+    q = bag.add_parser(
+        "repair",
+        formatter_class=_FMT,
+        help="save what can be read of a recording that was never closed (JSON)",
+        description="Write a new bag with every whole chunk of a recording whose disk filled (its "
+        ".mcap file cut short, no metadata.yaml), less the last ticks that lack a message.",
+    )
+    q.add_argument("path", help="bag folder")
+    q.add_argument("--out", required=True, help="new bag folder (required)")
     _add_common(q)
     q = bag.add_parser("msg", formatter_class=_FMT, help="print the edgerl_msgs/msg/Step definition")
     _add_common(q)
@@ -849,6 +859,9 @@ def _bag(a: argparse.Namespace) -> int:
 
     if a.bag == "msg":
         print(bags.STEP_MSG, end="")
+        return 0
+    if a.bag == "repair":
+        print(jsonout.dumps(bags.repair_bag(a.path, a.out), indent=2))
         return 0
     bar = step_bar(f"bag {a.bag}", None, unit="msg")
 

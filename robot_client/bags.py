@@ -25,10 +25,12 @@ flags of tick ``j``); a tick that reset the robot is an autoreset row.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
 import queue
+import struct
 import threading
 import time
 from collections import defaultdict
@@ -39,6 +41,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
+from rosbags.rosbag2.storage_mcap import decompress
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
@@ -307,8 +310,14 @@ def bag_ticks(path: str | Path, progress: Progress | None = None) -> Iterator[tu
     if not folder.exists():
         raise FileNotFoundError(f"bag {path}: no such folder")
     if folder.is_dir() and not (folder / "metadata.yaml").exists():
+        unclosed = (
+            "; its .mcap file is of a recording that was never closed (a full disk?): "
+            f"edgerl bag repair {path} --out NEW saves what can be read"
+            if any(folder.glob("*.mcap"))
+            else ""
+        )
         raise FileNotFoundError(
-            f"bag {path}: no metadata.yaml in this folder (a rosbag2 bag is a folder with one)"
+            f"bag {path}: no metadata.yaml in this folder (a rosbag2 bag is a folder with one){unclosed}"
         )
     store = typestore()
     building: dict[str, tuple[int, dict[str, Any]]] = {}
@@ -537,6 +546,122 @@ def _read_varint(f: BinaryIO, path: str | Path) -> int:
 def load_transitions(path: str | Path) -> list[pb.Segment]:
     """Every segment of :func:`iter_transitions`, in a list."""
     return list(iter_transitions(path))
+
+
+_MCAP_MAGIC = b"\x89MCAP0\r\n"
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+_CHUNK_HEAD = struct.Struct("<QQQI")  # message start and end times, uncompressed size and CRC
+_MESSAGE_HEAD = struct.Struct("<HIQQ")  # channel, sequence, log time, publish time
+
+
+def _mcap_string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (n,) = _U32.unpack_from(buf, pos)
+    return bytes(buf[pos + 4 : pos + 4 + n]).decode(), pos + 4 + n
+
+
+def _whole_records(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """The records of an MCAP file as (opcode, content), up to the first one cut short."""
+    while len(head := f.read(9)) == 9:
+        op, (size,) = head[0], _U64.unpack(head[1:])
+        content = f.read(size)
+        if len(content) < size:
+            return
+        yield op, content
+
+
+def _mcap_salvage(path: Path) -> tuple[dict[int, tuple[str, str]], list[tuple[int, int, bytes]]]:
+    """The channels (id: (topic, type)) and the messages (channel, log time, data) of every whole
+    chunk of an MCAP file that may end anywhere (its disk filled: no summary, no footer)."""
+    schemas: dict[int, str] = {}
+    channels: dict[int, tuple[str, str]] = {}
+    messages: list[tuple[int, int, bytes]] = []
+
+    def take(records: Iterator[tuple[int, bytes]]) -> None:
+        for op, content in records:
+            buf = memoryview(content)
+            if op == 0x03:  # schema: id, name, encoding, data
+                schemas[_U16.unpack_from(buf, 0)[0]] = _mcap_string(buf, 2)[0]
+            elif op == 0x04:  # channel: id, schema id, topic, encoding, metadata
+                cid, sid = _U16.unpack_from(buf, 0)[0], _U16.unpack_from(buf, 2)[0]
+                channels[cid] = (_mcap_string(buf, 4)[0], schemas.get(sid, ""))
+            elif op == 0x05:  # message: channel, sequence, log time, publish time, data
+                cid, _, log_time, _ = _MESSAGE_HEAD.unpack_from(buf, 0)
+                messages.append((cid, log_time, content[_MESSAGE_HEAD.size :]))
+            elif op == 0x06:  # chunk: times, size, CRC, compression, records (rosbags puts all in them)
+                _, _, size, crc = _CHUNK_HEAD.unpack_from(buf, 0)
+                compression, pos = _mcap_string(buf, _CHUNK_HEAD.size)
+                (n,) = _U64.unpack_from(buf, pos)
+                take(
+                    _whole_records(
+                        io.BytesIO(decompress(bytes(buf[pos + 8 : pos + 8 + n]), compression, size, crc))
+                    )
+                )
+
+    with open(path, "rb") as f:
+        if f.read(8) != _MCAP_MAGIC:
+            raise ValueError(f"{path}: not an MCAP file")
+        take(_whole_records(f))
+    return channels, messages
+
+
+def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
+    """A new bag at ``out`` with what can be read of a recording that was never closed (its disk
+    filled: the MCAP file ends inside a chunk, and there is no summary, footer or
+    ``metadata.yaml``): every whole chunk's messages, less the last ticks of a robot that lack a
+    message (a chunk may end inside a tick). Returns what it kept.
+
+    Raises:
+        FileNotFoundError: no folder at ``path``, or no ``.mcap`` file in it.
+        FileExistsError: ``out`` exists.
+        ValueError: the file is not MCAP, holds not one whole chunk, or holds a topic of a type
+            edgerl does not record.
+    """
+    folder, out = Path(path), Path(out)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"bag {path}: no such folder")
+    files = sorted(folder.glob("*.mcap"))
+    if not files:
+        raise FileNotFoundError(f"bag {path}: no .mcap file in this folder")
+    if out.exists():
+        raise FileExistsError(f"--out: {out} exists; rosbag2 writes a new folder")
+    channels: dict[int, tuple[str, str]] = {}
+    messages: list[tuple[int, int, bytes]] = []
+    for file in files:
+        found, got = _mcap_salvage(file)
+        channels.update(found)
+        messages += got
+    if not messages:
+        raise ValueError(f"bag {path}: not one whole chunk (rosbags writes one each 1 MiB): nothing to save")
+    store = typestore()
+    unknown = sorted({t for _, t in channels.values() if t not in store.types})
+    if unknown:
+        raise ValueError(f"bag {path}: topics of types edgerl does not record: {', '.join(unknown)}")
+    # A robot's last ticks may lack a message (cut with their chunk): they are left out.
+    kinds: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for cid, t_ns, _ in messages:
+        topic = channels[cid][0]
+        if topic.startswith("/edgerl/"):
+            _, _, robot, kind = topic.split("/", 3)
+            kinds[robot, t_ns].add(kind)
+    cut = {key for key, got_kinds in kinds.items() if not set(TICK_KINDS) <= got_kinds}
+    with Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+        conns = {
+            cid: writer.add_connection(topic, typ, typestore=store) for cid, (topic, typ) in channels.items()
+        }
+        kept = 0
+        for cid, t_ns, data in sorted(messages, key=lambda m: m[1]):
+            topic = channels[cid][0]
+            if topic.startswith("/edgerl/") and (topic.split("/", 3)[2], t_ns) in cut:
+                continue
+            writer.write(conns[cid], t_ns, data)
+            kept += 1
+    return {
+        "path": str(path),
+        "out": str(out),
+        "messages": kept,
+        "ticks": len(kinds) - len(cut),
+        "ticks_cut": len(cut),
+    }
 
 
 @dataclass

@@ -11,6 +11,7 @@ import shutil
 import stat
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from edgerl.robot_client.bags import (
     iter_transitions,
     load_transitions,
     read_bag,
+    repair_bag,
     save_transitions,
     typestore,
 )
@@ -42,7 +44,7 @@ from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
 from edgerl.trainer.segments import EpisodeTracker, assemble
-from edgerl.watchdog.watchdog import Tick, WatchdogConfig
+from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import ServerThread
 
 ENV = "InvertedPendulum-v5"  # an untrained policy drops the pole within a second: resets happen
@@ -384,6 +386,67 @@ def test_paths_that_hold_no_readable_bag_are_refused_naming_what_is_missing(
         assert main(["bag", "import", str(bag), "--out", str(tmp_path / "x.pb")]) == 2
         assert re.search(message, capsys.readouterr().err.splitlines()[-1]), bag
     assert not (tmp_path / "x.pb").exists()
+
+
+def _long_recording(path: Path, ticks: int) -> list[RobotTopics]:
+    """A bag of two robots of ``ticks`` ticks each, written by the recorder (rosbags writes a
+    chunk each 1 MiB: ~330 bytes a tick here, so several chunks)."""
+    robots = [RobotTopics(f"r{i}", ("x", "x_dot", "theta", "theta_dot"), 1) for i in range(2)]
+    recorder = BagRecorder(path, robots)
+    for k in range(ticks):
+        for i in range(2):
+            tick = Tick(
+                k,
+                k * 0.02,
+                k * 0.02,
+                np.array([k / ticks], np.float32),
+                TickKind.POLICY,
+                0.004,
+                (k // 50, -1.5),
+            )
+            reading = types.SimpleNamespace(
+                obs=np.full(4, k + i, np.float64), reward=1.0, terminated=k % 500 == 499, truncated=False
+            )
+            recorder.record(i, tick, reading, k % 500 == 0 and k > 0)
+    recorder.close()
+    assert recorder.error is None and recorder.written == 2 * ticks
+    return robots
+
+
+def test_a_recording_its_disk_cut_short_is_repaired_to_its_whole_chunks(tmp_path: Path) -> None:
+    """A recording whose disk filled: its .mcap ends inside a chunk, with no summary, footer or
+    metadata.yaml. ``bag info`` says so and names the repair; ``bag repair`` writes a bag of the
+    whole chunks' ticks, each as it was recorded, less a last tick a chunk cut in two."""
+    whole = tmp_path / "whole"
+    _long_recording(whole, 6000)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = (whole / "whole.mcap").read_bytes()
+    (cut / "cut.mcap").write_bytes(data[: int(2.5 * 2**20)])  # two whole chunks and half of one
+    with pytest.raises(
+        FileNotFoundError, match=rf"recording that was never closed .*: edgerl bag repair {cut} "
+    ):
+        bag_info(cut)
+    out = tmp_path / "repaired"
+    report = repair_bag(cut, out)
+    recorded, repaired = read_bag(whole), read_bag(out)
+    assert set(repaired) == {"r0", "r1"} and report["ticks"] == sum(len(t) for t in repaired.values())
+    for robot, ticks in repaired.items():
+        assert 2 * 2**20 / (2 * 400) < len(ticks) < 6000  # two chunks of two robots' ticks, not all
+        for got, was in zip(ticks, recorded[robot], strict=False):
+            assert (got.time_ns, got.step.tick, got.step.reward) == (
+                was.time_ns,
+                was.step.tick,
+                was.step.reward,
+            )
+            assert np.array_equal(got.obs, was.obs) and np.array_equal(got.action, was.action)
+    assert report["messages"] == 3 * report["ticks"]
+    assert sum(1 for _ in iter_segments(out)) > 0  # it imports
+    with pytest.raises(FileExistsError, match=r"^--out: .*repaired exists; rosbag2 writes a new folder$"):
+        repair_bag(cut, out)
+    (cut / "cut.mcap").write_bytes(b"not mcap")
+    with pytest.raises(ValueError, match=r"cut\.mcap: not an MCAP file$"):
+        repair_bag(cut, tmp_path / "again")
 
 
 def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:

@@ -593,7 +593,9 @@ FULL_DISKS = {  # robots, Hz, seconds, the file size limit, when the recording f
 
 
 @pytest.mark.parametrize("case", list(FULL_DISKS))
-def test_a_recording_that_fails_on_a_full_disk_ends_the_bag_not_the_robots(tmp_path: Path, case: str) -> None:
+def test_a_recording_that_fails_on_a_full_disk_ends_the_bag_not_the_robots(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The robots run on to the end: the failure is said once as it happens and once at the end,
     every tick is either written or counted as lost, and the command ends with status 4 (it
     ended with a traceback and no statistics, its writer thread having died with another)."""
@@ -623,6 +625,15 @@ def test_a_recording_that_fails_on_a_full_disk_ends_the_bag_not_the_robots(tmp_p
     assert written + lost == sum(ticks)  # every tick: written, or lost after the failure
     assert min(ticks) >= 0.8 * hz * seconds  # each robot ran on to the end
     assert (lost > 0) == (when == "while the robots ran")
+    # the bag was never closed: what reads it says so, and what can save from it
+    from edgerl.launch.cli import main
+
+    assert main(["bag", "info", str(bag)]) == 2
+    assert f"never closed (a full disk?): edgerl bag repair {bag} --out NEW" in capsys.readouterr().err
+    assert main(["bag", "repair", str(bag), "--out", str(tmp_path / "repaired")]) == 2
+    assert capsys.readouterr().err.endswith(
+        ": not one whole chunk (rosbags writes one each 1 MiB): nothing to save\n"
+    )
 
 
 def _torch_free(pgid: int, processes: int) -> None:
