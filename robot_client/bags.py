@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import struct
 import threading
 import time
@@ -569,14 +570,17 @@ def _whole_records(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
         yield op, content
 
 
-def _mcap_salvage(path: Path) -> tuple[dict[int, tuple[str, str]], list[tuple[int, int, bytes]]]:
-    """The channels (id: (topic, type)) and the messages (channel, log time, data) of every whole
-    chunk of an MCAP file that may end anywhere (its disk filled: no summary, no footer)."""
-    schemas: dict[int, str] = {}
-    channels: dict[int, tuple[str, str]] = {}
-    messages: list[tuple[int, int, bytes]] = []
+_Channel = tuple[str, str]
+"""An MCAP channel: (topic, message type)."""
 
-    def take(records: Iterator[tuple[int, bytes]]) -> None:
+
+def _mcap_salvage(path: Path) -> Iterator[tuple[int, _Channel, int, bytes]]:
+    """The messages of every whole chunk of an MCAP file that may end anywhere (its disk filled:
+    no summary, no footer), as (channel id, channel, log time, data), in the file's order."""
+    schemas: dict[int, str] = {}
+    channels: dict[int, _Channel] = {}
+
+    def take(records: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, _Channel, int, bytes]]:
         for op, content in records:
             buf = memoryview(content)
             if op == 0x03:  # schema: id, name, encoding, data
@@ -586,29 +590,26 @@ def _mcap_salvage(path: Path) -> tuple[dict[int, tuple[str, str]], list[tuple[in
                 channels[cid] = (_mcap_string(buf, 4)[0], schemas.get(sid, ""))
             elif op == 0x05:  # message: channel, sequence, log time, publish time, data
                 cid, _, log_time, _ = _MESSAGE_HEAD.unpack_from(buf, 0)
-                messages.append((cid, log_time, content[_MESSAGE_HEAD.size :]))
+                yield cid, channels[cid], log_time, content[_MESSAGE_HEAD.size :]
             elif op == 0x06:  # chunk: times, size, CRC, compression, records (rosbags puts all in them)
                 _, _, size, crc = _CHUNK_HEAD.unpack_from(buf, 0)
                 compression, pos = _mcap_string(buf, _CHUNK_HEAD.size)
                 (n,) = _U64.unpack_from(buf, pos)
-                take(
-                    _whole_records(
-                        io.BytesIO(decompress(bytes(buf[pos + 8 : pos + 8 + n]), compression, size, crc))
-                    )
-                )
+                inner = decompress(bytes(buf[pos + 8 : pos + 8 + n]), compression, size, crc)
+                yield from take(_whole_records(io.BytesIO(inner)))
 
     with open(path, "rb") as f:
         if f.read(8) != _MCAP_MAGIC:
             raise ValueError(f"{path}: not an MCAP file")
-        take(_whole_records(f))
-    return channels, messages
+        yield from take(_whole_records(f))
 
 
 def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
     """A new bag at ``out`` with what can be read of a recording that was never closed (its disk
     filled: the MCAP file ends inside a chunk, and there is no summary, footer or
-    ``metadata.yaml``): every whole chunk's messages, less the last ticks of a robot that lack a
-    message (a chunk may end inside a tick). Returns what it kept.
+    ``metadata.yaml``): every whole chunk's messages, less the ticks of a robot that lack a
+    message (a chunk may end inside a tick). It reads as it writes, holding one tick a robot.
+    Returns what it kept.
 
     Raises:
         FileNotFoundError: no folder at ``path``, or no ``.mcap`` file in it.
@@ -624,44 +625,56 @@ def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"bag {path}: no .mcap file in this folder")
     if out.exists():
         raise FileExistsError(f"--out: {out} exists; rosbag2 writes a new folder")
-    channels: dict[int, tuple[str, str]] = {}
-    messages: list[tuple[int, int, bytes]] = []
-    for file in files:
-        found, got = _mcap_salvage(file)
-        channels.update(found)
-        messages += got
-    if not messages:
-        raise ValueError(f"bag {path}: not one whole chunk (rosbags writes one each 1 MiB): nothing to save")
     store = typestore()
-    unknown = sorted({t for _, t in channels.values() if t not in store.types})
-    if unknown:
-        raise ValueError(f"bag {path}: topics of types edgerl does not record: {', '.join(unknown)}")
-    # A robot's last ticks may lack a message (cut with their chunk): they are left out.
-    kinds: dict[tuple[str, int], set[str]] = defaultdict(set)
-    for cid, t_ns, _ in messages:
-        topic = channels[cid][0]
-        if topic.startswith("/edgerl/"):
-            _, _, robot, kind = topic.split("/", 3)
-            kinds[robot, t_ns].add(kind)
-    cut = {key for key, got_kinds in kinds.items() if not set(TICK_KINDS) <= got_kinds}
-    with Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
-        conns = {
-            cid: writer.add_connection(topic, typ, typestore=store) for cid, (topic, typ) in channels.items()
-        }
-        kept = 0
-        for cid, t_ns, data in sorted(messages, key=lambda m: m[1]):
-            topic = channels[cid][0]
-            if topic.startswith("/edgerl/") and (topic.split("/", 3)[2], t_ns) in cut:
-                continue
-            writer.write(conns[cid], t_ns, data)
-            kept += 1
-    return {
-        "path": str(path),
-        "out": str(out),
-        "messages": kept,
-        "ticks": len(kinds) - len(cut),
-        "ticks_cut": len(cut),
-    }
+    kept = ticks = cut = 0
+    building: dict[str, tuple[int, list[tuple[int, _Channel, int, bytes]]]] = {}
+    """Each robot's latest tick: its time and messages, written once whole."""
+    try:
+        with Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+            conns: dict[int, Any] = {}
+
+            def write(cid: int, channel: _Channel, t_ns: int, data: bytes) -> None:
+                nonlocal kept
+                if cid not in conns:
+                    topic, typ = channel
+                    if typ not in store.types:
+                        raise ValueError(
+                            f"bag {path}: topic {topic} is of a type edgerl does not record: {typ!r}"
+                        )
+                    conns[cid] = writer.add_connection(topic, typ, typestore=store)
+                writer.write(conns[cid], t_ns, data)
+                kept += 1
+
+            def close_tick(robot: str) -> None:
+                nonlocal ticks, cut
+                _, messages = building.pop(robot)
+                kinds = {channel[0].rsplit("/", 1)[-1] for _, channel, _, _ in messages}
+                if set(TICK_KINDS) <= kinds:
+                    for message in messages:
+                        write(*message)
+                    ticks += 1
+                else:
+                    cut += 1
+
+            for file in files:
+                for cid, channel, t_ns, data in _mcap_salvage(file):
+                    if not channel[0].startswith("/edgerl/"):
+                        write(cid, channel, t_ns, data)
+                        continue
+                    robot = channel[0].split("/", 3)[2]
+                    if robot in building and building[robot][0] != t_ns:
+                        close_tick(robot)
+                    building.setdefault(robot, (t_ns, []))[1].append((cid, channel, t_ns, data))
+            for robot in list(building):
+                close_tick(robot)
+            if not kept:
+                raise ValueError(
+                    f"bag {path}: not one whole chunk (rosbags writes one each 1 MiB): nothing to save"
+                )
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return {"path": str(path), "out": str(out), "messages": kept, "ticks": ticks, "ticks_cut": cut}
 
 
 @dataclass
