@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
+from rosbags.typesys import get_types_from_msg
 from tqdm import tqdm
 
 from edgerl.edge_server.policy import TorchPolicyBackend
@@ -447,6 +448,18 @@ def test_a_recording_its_disk_cut_short_is_repaired_to_its_whole_chunks(tmp_path
     (cut / "cut.mcap").write_bytes(b"not mcap")
     with pytest.raises(ValueError, match=r"cut\.mcap: not an MCAP file$"):
         repair_bag(cut, tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    odd = tmp_path / "odd"  # a whole bag with a topic of a type edgerl does not record
+    store = typestore()
+    store.register(get_types_from_msg("int32 n", "test_msgs/msg/Odd"))
+    with Writer(odd, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+        conn = writer.add_connection("/odd", "test_msgs/msg/Odd", typestore=store)
+        writer.write(conn, 5, store.serialize_cdr(store.types["test_msgs/msg/Odd"](n=1), "test_msgs/msg/Odd"))
+    with pytest.raises(
+        ValueError, match=r"topic /odd is of a type edgerl does not record: 'test_msgs/msg/Odd'$"
+    ):
+        repair_bag(odd, tmp_path / "again")
+    assert not (tmp_path / "again").exists()  # the bag it had begun is removed
 
 
 def test_recorder_refuses_to_overwrite(session: tuple[Path, Any]) -> None:
