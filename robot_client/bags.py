@@ -574,13 +574,13 @@ _Channel = tuple[str, str]
 """An MCAP channel: (topic, message type)."""
 
 
-def _mcap_salvage(path: Path) -> Iterator[tuple[int, _Channel, int, bytes]]:
+def _mcap_salvage(path: Path) -> Iterator[tuple[_Channel, int, bytes]]:
     """The messages of every whole chunk of an MCAP file that may end anywhere (its disk filled:
-    no summary, no footer), as (channel id, channel, log time, data), in the file's order."""
+    no summary, no footer), as (channel, log time, data), in the file's order."""
     schemas: dict[int, str] = {}
     channels: dict[int, _Channel] = {}
 
-    def take(records: Iterator[tuple[int, bytes]]) -> Iterator[tuple[int, _Channel, int, bytes]]:
+    def take(records: Iterator[tuple[int, bytes]]) -> Iterator[tuple[_Channel, int, bytes]]:
         for op, content in records:
             buf = memoryview(content)
             if op == 0x03:  # schema: id, name, encoding, data
@@ -590,7 +590,7 @@ def _mcap_salvage(path: Path) -> Iterator[tuple[int, _Channel, int, bytes]]:
                 channels[cid] = (_mcap_string(buf, 4)[0], schemas.get(sid, ""))
             elif op == 0x05:  # message: channel, sequence, log time, publish time, data
                 cid, _, log_time, _ = _MESSAGE_HEAD.unpack_from(buf, 0)
-                yield cid, channels[cid], log_time, content[_MESSAGE_HEAD.size :]
+                yield channels[cid], log_time, content[_MESSAGE_HEAD.size :]
             elif op == 0x06:  # chunk: times, size, CRC, compression, records (rosbags puts all in them)
                 _, _, size, crc = _CHUNK_HEAD.unpack_from(buf, 0)
                 compression, pos = _mcap_string(buf, _CHUNK_HEAD.size)
@@ -627,28 +627,28 @@ def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
         raise FileExistsError(f"--out: {out} exists; rosbag2 writes a new folder")
     store = typestore()
     kept = ticks = cut = 0
-    building: dict[str, tuple[int, list[tuple[int, _Channel, int, bytes]]]] = {}
+    building: dict[str, tuple[int, list[tuple[_Channel, int, bytes]]]] = {}
     """Each robot's latest tick: its time and messages, written once whole."""
     try:
         with Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
-            conns: dict[int, Any] = {}
+            conns: dict[_Channel, Any] = {}  # by topic and type: each file of a split bag numbers its own
 
-            def write(cid: int, channel: _Channel, t_ns: int, data: bytes) -> None:
+            def write(channel: _Channel, t_ns: int, data: bytes) -> None:
                 nonlocal kept
-                if cid not in conns:
+                if channel not in conns:
                     topic, typ = channel
                     if typ not in store.types:
                         raise ValueError(
                             f"bag {path}: topic {topic} is of a type edgerl does not record: {typ!r}"
                         )
-                    conns[cid] = writer.add_connection(topic, typ, typestore=store)
-                writer.write(conns[cid], t_ns, data)
+                    conns[channel] = writer.add_connection(topic, typ, typestore=store)
+                writer.write(conns[channel], t_ns, data)
                 kept += 1
 
             def close_tick(robot: str) -> None:
                 nonlocal ticks, cut
                 _, messages = building.pop(robot)
-                kinds = {channel[0].rsplit("/", 1)[-1] for _, channel, _, _ in messages}
+                kinds = {channel[0].rsplit("/", 1)[-1] for channel, _, _ in messages}
                 if set(TICK_KINDS) <= kinds:
                     for message in messages:
                         write(*message)
@@ -657,14 +657,14 @@ def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
                     cut += 1
 
             for file in files:
-                for cid, channel, t_ns, data in _mcap_salvage(file):
+                for channel, t_ns, data in _mcap_salvage(file):
                     if not channel[0].startswith("/edgerl/"):
-                        write(cid, channel, t_ns, data)
+                        write(channel, t_ns, data)
                         continue
                     robot = channel[0].split("/", 3)[2]
                     if robot in building and building[robot][0] != t_ns:
                         close_tick(robot)
-                    building.setdefault(robot, (t_ns, []))[1].append((cid, channel, t_ns, data))
+                    building.setdefault(robot, (t_ns, []))[1].append((channel, t_ns, data))
             for robot in list(building):
                 close_tick(robot)
             if not kept:
