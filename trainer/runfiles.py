@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from edgerl.robot_client import errors
@@ -52,25 +52,25 @@ def writing(path: Path | str) -> Iterator[None]:
         raise RunFilesError(f"cannot write {path}: {errors.first_line(failed)}") from exc
 
 
-_quiet: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_hooked: list[object] = []
+_owners: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
+"""The writer threads whose failed writes are logged in one line, and whose they are."""
+_previous_hook: Callable[[threading.ExceptHookArgs], object] | None = None
+"""The thread exception hook that was there when this module's went in (once)."""
+
+
+def _log_writer_failure(args: threading.ExceptHookArgs) -> None:
+    owner = _owners.get(args.thread) if args.thread is not None else None
+    if owner is not None and (failed := os_error(args.exc_value)) is not None:
+        log.error("%s could not write: %s", owner, failed)
+    elif _previous_hook is not None:
+        _previous_hook(args)
 
 
 def quiet_writer_threads(threads: set[threading.Thread], owner: str) -> None:
     """A failed write in one of ``threads`` (TensorBoard's writer, which raises it again on its
     owner's next write) is logged in one line naming ``owner``, not printed as a traceback."""
-    if not _hooked:
-        previous = threading.excepthook
-
-        def hook(args: threading.ExceptHookArgs) -> None:
-            thread, exc = args.thread, args.exc_value
-            if thread is not None and thread in _quiet and (failed := os_error(exc)) is not None:
-                log.error("%s could not write: %s", getattr(thread, "edgerl_owner", owner), failed)
-                return
-            previous(args)
-
-        threading.excepthook = hook
-        _hooked.append(hook)
+    global _previous_hook
+    if _previous_hook is None:
+        _previous_hook, threading.excepthook = threading.excepthook, _log_writer_failure
     for thread in threads:
-        thread.edgerl_owner = owner  # type: ignore[attr-defined]
-        _quiet.add(thread)
+        _owners[thread] = owner
