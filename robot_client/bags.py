@@ -38,7 +38,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
@@ -246,6 +246,8 @@ TICK_KINDS = {"observation": JOINT_STATE, "action": FLOAT_ARRAY, "step": STEP_TY
 Progress = Callable[[int, int], None]
 """Told (messages read, messages in all) while a bag is read."""
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class BagStep:
@@ -297,10 +299,27 @@ def _tick_part(kind: str, msg: Any) -> Any:
     return BagStep.of(msg)
 
 
+def _robot_ticks(messages: Iterable[tuple[str, int, str, T]]) -> Iterator[tuple[str, int, dict[str, T]]]:
+    """A bag's messages (robot, time, kind, item), in time order, gathered into each robot's
+    ticks as (robot, time, items by kind): each as its robot's next tick begins (its messages
+    all came before), the last ones at the end, in time order. It holds one tick a robot."""
+    building: dict[str, tuple[int, dict[str, T]]] = {}
+    for robot, t_ns, kind, item in messages:
+        tick = building.get(robot)
+        if tick is not None and tick[0] != t_ns:
+            yield robot, *building.pop(robot)
+            tick = None
+        if tick is None:
+            tick = building[robot] = (t_ns, {})
+        tick[1][kind] = item
+    for robot, (t_ns, parts) in sorted(building.items(), key=lambda item: (item[1][0], item[0])):
+        yield robot, t_ns, parts
+
+
 def bag_ticks(path: str | Path, progress: Progress | None = None) -> Iterator[tuple[str, BagTick]]:
-    """Each tick of a bag, as (robot, tick), in the bag's order (time), as soon as its three
-    messages are read; ``progress(read, total)`` is called every 1,000 messages and at the end.
-    What it holds does not grow with the bag: one tick a robot.
+    """Each tick of a bag, as (robot, tick), in the bag's order (time), as soon as it is whole
+    (its robot's next tick begins); ``progress(read, total)`` is called every 1,000 messages and
+    at the end. What it holds does not grow with the bag: one tick a robot.
 
     Raises:
         FileNotFoundError: no bag at ``path``: nothing there, or a folder without ``metadata.yaml``.
@@ -321,11 +340,6 @@ def bag_ticks(path: str | Path, progress: Progress | None = None) -> Iterator[tu
             f"bag {path}: no metadata.yaml in this folder (a rosbag2 bag is a folder with one){unclosed}"
         )
     store = typestore()
-    building: dict[str, tuple[int, dict[str, Any]]] = {}
-    """Each robot's tick not yet whole: (its time, its parts by kind)."""
-    last: dict[str, int] = {}
-    """Each robot's latest whole tick's time: a message of another kind stamped with it is not
-    the start of a new tick."""
     try:
         with Reader(folder) as reader:
             conns = [c for c in reader.connections if c.topic.startswith("/edgerl/")]
@@ -336,35 +350,27 @@ def bag_ticks(path: str | Path, progress: Progress | None = None) -> Iterator[tu
                 if kind in TICK_KINDS and c.msgtype != TICK_KINDS[kind]:
                     raise ValueError(f"bag {path}: topic {c.topic} is {c.msgtype}, not {TICK_KINDS[kind]}")
             total = sum(c.msgcount for c in conns)
-            read = 0
-            for conn, t_ns, raw in reader.messages(connections=conns):
-                read += 1
-                if progress is not None and read % 1000 == 0:
+
+            def messages() -> Iterator[tuple[str, int, str, Any]]:
+                read = 0
+                for conn, t_ns, raw in reader.messages(connections=conns):
+                    read += 1
+                    if progress is not None and read % 1000 == 0:
+                        progress(read, total)
+                    _, _, robot, kind = conn.topic.split("/", 3)
+                    part = None  # a topic of another kind is not read (a tick it alone makes is not whole)
+                    if kind in TICK_KINDS:
+                        part = _tick_part(kind, store.deserialize_cdr(raw, conn.msgtype))
+                    yield robot, t_ns, kind, part
+                if progress is not None:
                     progress(read, total)
-                _, _, robot, kind = conn.topic.split("/", 3)
-                if last.get(robot) == t_ns:
-                    continue
-                tick = building.get(robot)
-                if tick is None or tick[0] != t_ns:
-                    if tick is not None:  # a later tick begins: this one's messages all came before
-                        raise _lacks(path, robot, *tick)
-                    tick = building[robot] = (t_ns, {})
-                parts = tick[1]
-                if kind in TICK_KINDS:
-                    parts[kind] = _tick_part(kind, store.deserialize_cdr(raw, conn.msgtype))
-                else:  # a topic of another kind: not read, and the tick it alone starts is not whole
-                    parts[kind] = None
-                if all(k in parts for k in TICK_KINDS):
-                    del building[robot]
-                    last[robot] = t_ns
-                    yield robot, BagTick(t_ns, parts["observation"], parts["action"], parts["step"])
-            if progress is not None:
-                progress(read, total)
+
+            for robot, t_ns, parts in _robot_ticks(messages()):
+                if not TICK_KINDS.keys() <= parts.keys():
+                    raise _lacks(path, robot, t_ns, parts)
+                yield robot, BagTick(t_ns, parts["observation"], parts["action"], parts["step"])
     except ReaderError as exc:  # its metadata or storage files missing or broken
         raise ValueError(f"bag {path}: cannot be read ({errors.first_line(exc, 'unreadable')})") from None
-    if building:
-        robot, tick = min(building.items(), key=lambda item: (item[1][0], item[0]))
-        raise _lacks(path, robot, *tick)
 
 
 def _lacks(path: str | Path, robot: str, t_ns: int, parts: dict[str, Any]) -> ValueError:
@@ -627,8 +633,6 @@ def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
         raise FileExistsError(f"--out: {out} exists; rosbag2 writes a new folder")
     store = typestore()
     kept = ticks = cut = 0
-    building: dict[str, tuple[int, list[tuple[_Channel, int, bytes]]]] = {}
-    """Each robot's latest tick: its time and messages, written once whole."""
     try:
         with Writer(out, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
             conns: dict[_Channel, Any] = {}  # by topic and type: each file of a split bag numbers its own
@@ -645,28 +649,23 @@ def repair_bag(path: str | Path, out: str | Path) -> dict[str, Any]:
                 writer.write(conns[channel], t_ns, data)
                 kept += 1
 
-            def close_tick(robot: str) -> None:
-                nonlocal ticks, cut
-                _, messages = building.pop(robot)
-                kinds = {channel[0].rsplit("/", 1)[-1] for channel, _, _ in messages}
-                if set(TICK_KINDS) <= kinds:
-                    for message in messages:
+            def robot_messages() -> Iterator[tuple[str, int, str, tuple[_Channel, int, bytes]]]:
+                """The robots' messages, to be gathered into ticks; any other is written at once."""
+                for file in files:
+                    for channel, t_ns, data in _mcap_salvage(file):
+                        if channel[0].startswith("/edgerl/"):
+                            _, _, robot, kind = channel[0].split("/", 3)
+                            yield robot, t_ns, kind, (channel, t_ns, data)
+                        else:
+                            write(channel, t_ns, data)
+
+            for _, _, parts in _robot_ticks(robot_messages()):
+                if TICK_KINDS.keys() <= parts.keys():
+                    for message in parts.values():
                         write(*message)
                     ticks += 1
-                else:
+                else:  # a chunk ended inside it
                     cut += 1
-
-            for file in files:
-                for channel, t_ns, data in _mcap_salvage(file):
-                    if not channel[0].startswith("/edgerl/"):
-                        write(channel, t_ns, data)
-                        continue
-                    robot = channel[0].split("/", 3)[2]
-                    if robot in building and building[robot][0] != t_ns:
-                        close_tick(robot)
-                    building.setdefault(robot, (t_ns, []))[1].append((channel, t_ns, data))
-            for robot in list(building):
-                close_tick(robot)
             if not kept:
                 raise ValueError(
                     f"bag {path}: not one whole chunk (rosbags writes one each 1 MiB): nothing to save"
