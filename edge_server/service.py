@@ -346,7 +346,9 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     opened.session_id = spec.session_id
                     slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
-                        handle = store.open_stream(spec.session_id, spec.num_envs)
+                        handle = store.open_stream(
+                            spec.session_id, spec.num_envs, mid_episode=spec.mid_episode
+                        )
                         opened.handles.append(handle)
                     log.info("stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
                     continue
@@ -513,4 +515,5 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             "transitions_dropped_disconnect": c.transitions_dropped_disconnect,
             "backpressure_wait_us": self.store.backpressure_wait_us(),
             "weight_publishes": c.weight_publishes,
+            "sessions_forgotten": c.sessions_forgotten,
         }

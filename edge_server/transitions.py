@@ -30,6 +30,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,12 @@ class TransitionConfig:
     a step request naming an env that has had its share waits for the next publish."""
     weight_sync_interval: int = 1
     """Swap in every k-th published version (a publish less than k versions ahead is skipped)."""
+    closed_session_keep_s: float = 600.0
+    """How long a closed session's env counters are kept for a stream that takes it over
+    (seconds). A session that comes back later is one the server does not know, as after a
+    restart (see :meth:`TransitionStore.open_stream`)."""
+    max_closed_sessions: int = 10_000
+    """Most closed sessions kept (~1.7 KB each with 32 envs); past it the longest closed goes."""
 
     def __post_init__(self) -> None:
         if self.segment_steps < 1:
@@ -74,6 +81,10 @@ class TransitionConfig:
             raise ValueError(f"sync_env_steps must be >= 0, got {self.sync_env_steps}")
         if self.weight_sync_interval < 1:
             raise ValueError(f"weight_sync_interval must be >= 1, got {self.weight_sync_interval}")
+        if not self.closed_session_keep_s >= 0:  # NaN too
+            raise ValueError(f"closed_session_keep_s must be >= 0, got {self.closed_session_keep_s}")
+        if self.max_closed_sessions < 0:
+            raise ValueError(f"max_closed_sessions must be >= 0, got {self.max_closed_sessions}")
         if self.sync_env_steps and self.weight_sync_interval != 1:
             raise ValueError("synchronous mode (sync_env_steps > 0) needs weight_sync_interval = 1")
 
@@ -94,6 +105,8 @@ class TransitionCounters:
     transitions_dropped_disconnect: int = 0
     backpressure_wait_us: int = 0
     weight_publishes: int = 0
+    sessions_forgotten: int = 0
+    """Closed sessions let go (``closed_session_keep_s`` or ``max_closed_sessions``)."""
 
 
 @dataclass(eq=False)
@@ -114,17 +127,27 @@ class _Session:
     """One client session (one stream's envs): its envs' episode counters, kept for the streams
     that take it over, and the row buffers, held while a stream has it open."""
 
-    def __init__(self, session_id: str, num_envs: int, steps: int, obs_shape: tuple[int, ...]) -> None:
+    def __init__(
+        self, session_id: str, num_envs: int, steps: int, obs_shape: tuple[int, ...], mid_episode: bool
+    ) -> None:
         self.session_id = session_id
         self.num_envs = num_envs
         self.generation = 0
+        self.first_episode = time.time_ns() // 1000 if mid_episode else 0
+        """What the envs' first episodes here are numbered. Envs that come mid-episode to a server
+        that does not know their session (restarted, or forgotten it) are numbered from the clock
+        in microseconds: a transition's identity is (session, env, episode, t), and counting from
+        0 again would repeat ones that a trainer has taken (and drops as duplicates). Episodes
+        take more than a microsecond, so no earlier count reaches it."""
+        self.joined_mid_episode = mid_episode
+        """The envs' first episodes here began before the server knew the session."""
         self.act_shape: tuple[int, ...] | None = None
         self._rows_shape = (num_envs, steps + 1)  # row T holds the bootstrap observation
         self._obs_shape = obs_shape
         e = num_envs
         self.acted = np.zeros(e, np.int64)
         """Actions admitted per env since the last publish (the sync-mode quota)."""
-        self.episode = np.zeros(e, np.int64)
+        self.episode = np.full(e, self.first_episode, np.int64)
         self.t = np.zeros(e, np.int64)
         self.hold_rows()
 
@@ -178,11 +201,19 @@ class StreamHandle:
 class TransitionStore:
     """Assembles transitions of all sessions and hands segments to one trainer."""
 
-    def __init__(self, config: TransitionConfig, obs_shape: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: TransitionConfig,
+        obs_shape: tuple[int, ...],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.obs_shape = obs_shape
         self.counters = TransitionCounters()
+        self._clock = clock
         self._sessions: dict[str, _Session] = {}
+        self._closed: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """The sessions no stream has open, by the time their last stream closed, oldest first."""
         self._next_seq = 1
         self._outgoing: collections.deque[tuple[int, int, pb.Segment]] = collections.deque()
         self._unacked: collections.deque[tuple[int, int, pb.Segment]] = collections.deque()
@@ -200,15 +231,20 @@ class TransitionStore:
         return self.counters.backpressure_wait_us + ongoing
 
     # -- sessions -------------------------------------------------------------------------------------
-    def open_stream(self, session_id: str, num_envs: int) -> StreamHandle:
-        """Claim a session's buffers for a new stream (a reconnect takes over the old one)."""
+    def open_stream(self, session_id: str, num_envs: int, *, mid_episode: bool = False) -> StreamHandle:
+        """Claim a session's buffers for a new stream (a reconnect takes over the old one). A
+        session this store does not know starts its envs at episode 0; with ``mid_episode`` (the
+        client's envs stepped before this stream) those first episodes are numbered from the clock
+        and marked as joined midway, since their earlier steps were never seen here."""
+        self._forget_closed()
+        self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None or s.num_envs != num_envs:
             if s is not None:
                 if s.rows_held:
                     self._flush(s)
                 s.generation += 1  # its stream's handle is spent
-            s = _Session(session_id, num_envs, self.config.segment_steps, self.obs_shape)
+            s = _Session(session_id, num_envs, self.config.segment_steps, self.obs_shape, mid_episode)
             self._sessions[session_id] = s
         elif s.rows_held:
             self._flush(s)
@@ -220,13 +256,28 @@ class TransitionStore:
     def close_stream(self, handle: StreamHandle) -> None:
         """The stream ended: hand over completed rows, count the half-built ones as dropped, and
         free the session's row buffers (its episode counters stay, for the stream that takes it
-        over). A sim fleet's sessions are named by its host and pid, new ones at each start; the
-        buffers of every closed session were once kept, 127 KB for 32 HalfCheetah envs."""
+        over, until ``closed_session_keep_s`` has passed). A sim fleet's sessions are named by its
+        host and pid, new ones at each start; the buffers of every closed session were once kept,
+        127 KB for 32 HalfCheetah envs, and their counters (1.7 KB) for good after that."""
         s = handle.session
         if handle.generation == s.generation:
             self._flush(s)
             s.drop_rows()
             s.generation += 1  # the handle is spent: a late answer for it is not recorded
+            self._closed[s.session_id] = self._clock()
+            self._forget_closed()
+
+    def _forget_closed(self) -> None:
+        """Let go of the sessions closed longer than ``closed_session_keep_s`` and of the oldest
+        past ``max_closed_sessions``."""
+        closed, cfg = self._closed, self.config
+        if not closed:
+            return
+        keep_after = self._clock() - cfg.closed_session_keep_s
+        while closed and (len(closed) > cfg.max_closed_sessions or next(iter(closed.values())) <= keep_after):
+            session_id, _ = closed.popitem(last=False)
+            del self._sessions[session_id]
+            self.counters.sessions_forgotten += 1
 
     def _flush(self, s: _Session) -> None:
         """Cut every env's completed rows into a (short) segment; drop open rows."""
@@ -324,6 +375,7 @@ class TransitionStore:
             env_id=e,
             episode=int(s.seg_episode[e]),
             t=int(s.seg_t[e]),
+            joined_mid_episode=s.joined_mid_episode and bool(s.seg_episode[e] == s.first_episode),
             obs=tensors.float32(s.obs[e, :rows]),
             actions=tensors.float32(s.actions[e, :rows]),
             log_probs=s.log_probs[e, :rows].tolist(),

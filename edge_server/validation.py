@@ -40,6 +40,7 @@ class StreamSpec:
     num_envs: int
     max_inflight: int
     backfill: bool = False
+    mid_episode: bool = False
 
 
 def check_hello(
@@ -60,7 +61,9 @@ def check_hello(
         raise _invalid(f"hello.env_name: the server serves a policy for {env_name}, got {hello.env_name}")
     if hello.max_inflight > hello.num_envs:
         raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
-    return StreamSpec(sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight), hello.backfill)
+    return StreamSpec(
+        sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight), hello.backfill, hello.mid_episode
+    )
 
 
 _UINT32 = 1 << 32
@@ -85,8 +88,8 @@ def _is_uint32(d: object) -> bool:
 
 def hello_from_settings(text: bytes) -> pb.StreamHello:
     """The StreamHello that a local stream's settings (a ``C`` frame's JSON object) declare:
-    ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name`` and ``backfill``
-    (optional), with one message in flight per env (as a network process declares). Settings
+    ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name``, ``backfill`` and
+    ``mid_episode`` (optional), with one message in flight per env (as a network process declares). Settings
     that cannot be read are refused naming the field (``settings.num_envs: ...``); what they
     declare is checked as a hello's is, by :func:`check_hello`."""
     try:
@@ -108,6 +111,7 @@ def hello_from_settings(text: bytes) -> pb.StreamHello:
         env_name=_setting(settings, "env_name", str, "a string", ""),
         max_inflight=num_envs,
         backfill=_setting(settings, "backfill", bool, "true or false", False),
+        mid_episode=_setting(settings, "mid_episode", bool, "true or false", False),
     )
 
 

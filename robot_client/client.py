@@ -464,9 +464,11 @@ class EdgeClient:
         max_inflight: int = 1,
         timeout_s: float | None = None,
         backfill: bool = False,
+        mid_episode: bool = False,
     ) -> ActStream:
-        """Open an Act stream and send its StreamHello (``backfill``: see
-        ``StreamHello.backfill``)."""
+        """Open an Act stream and send its StreamHello (``backfill`` and ``mid_episode``: see
+        ``StreamHello``; a client that reconnects says ``mid_episode``, so that a server which
+        restarted in the meantime does not take its envs' episodes in progress for new ones)."""
         call = self._stub.Act(timeout=STREAM_DEADLINE_S, metadata=self._metadata)
         stream = ActStream(call, num_envs, max_inflight, self.timeout_s if timeout_s is None else timeout_s)
         hello = pb.StreamHello(
@@ -476,6 +478,7 @@ class EdgeClient:
             obs_shape=list(obs_shape),
             max_inflight=max_inflight,
             backfill=backfill,
+            mid_episode=mid_episode,
         )
         try:
             async with asyncio.timeout(stream.timeout_s):

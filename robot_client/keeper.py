@@ -62,6 +62,10 @@ class StreamSettings:
     heartbeat_s: float = 0.0
     """After how long without writing a frame a network process writes a heartbeat (seconds); 0:
     ``netproc.HEARTBEAT_S``."""
+    mid_episode: bool = False
+    """The envs or robots have stepped before the first stream opens (a network process that
+    replaces one): every stream says so (``StreamHello.mid_episode``), as every one after the
+    first does anyway."""
 
     @classmethod
     def of(
@@ -91,6 +95,12 @@ class StreamSettings:
             act_shape=None if act_shape is None else tuple(act_shape),
             backfill=backfill,
         )
+
+
+def mid_episode_settings(settings: StreamSettings, stepped: bool) -> StreamSettings:
+    """``settings`` for a keeper (or local stream) that starts after the envs or robots stepped
+    (``stepped``) or before."""
+    return dataclasses.replace(settings, mid_episode=True) if stepped else settings
 
 
 _host_sessions = itertools.count()
@@ -204,6 +214,7 @@ class StreamKeeper(Generic[Part]):
                         max_inflight=cfg.num_envs,
                         timeout_s=cfg.timeout_s,
                         backfill=cfg.backfill,
+                        mid_episode=cfg.mid_episode or self.epoch > 0,
                     )
                     self.epoch += 1
                     self._live = asyncio.Queue()

@@ -58,7 +58,13 @@ import numpy as np
 from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
-from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, check_cpus, host_session_id
+from edgerl.robot_client.keeper import (
+    StreamKeeper,
+    StreamSettings,
+    check_cpus,
+    host_session_id,
+    mid_episode_settings,
+)
 from edgerl.robot_client.robot import Reading, Robot, RobotKind, RobotState
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.episodes import EpisodeLog
@@ -406,7 +412,9 @@ class _ProcessOutbox(_Outbox):
 
     def open(self) -> None:
         self._sock, self._proc = self._spare.take()
-        self._out = bytearray(netproc.encode_settings(self.settings))
+        # A network process that replaces one comes to robots that have stepped.
+        settings = mid_episode_settings(self.settings, stepped=self._started_at > -math.inf)
+        self._out = bytearray(netproc.encode_settings(settings))
         self._in.clear()
         self._restart_at = math.inf
         self._started_at = self.clock.now()

@@ -31,7 +31,7 @@ import numpy as np
 from edgerl.proto import frames
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
-from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id
+from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.sim.envs import make_vector_env
 
@@ -232,6 +232,7 @@ class SimWorker:
                         env_name=cfg.env_name,
                         max_inflight=cfg.groups,
                         backfill=cfg.backfill,
+                        mid_episode=self.progress.steps > 0,
                     )
                     self._answered = False
                     # Stops promptly even while an answer is pending (e.g. held by backpressure).
@@ -317,8 +318,14 @@ class SimWorker:
             env_name=cfg.env_name,
             backfill=cfg.backfill,
         )
+
+        def stepped() -> bool:
+            return progress.steps > 0
+
         net: _NetworkEnd | _LocalEnd = (
-            _LocalEnd(cfg.local_socket, settings) if cfg.local_socket else _NetworkEnd(settings)
+            _LocalEnd(cfg.local_socket, settings, stepped)
+            if cfg.local_socket
+            else _NetworkEnd(settings, stepped)
         )
         epoch = 0  # of the open stream; 0: none
         sent: deque[_Group] = deque()  # groups awaiting actions, in the order sent
@@ -404,8 +411,9 @@ class _NetworkEnd:
     no stream for ``give_up_after_s`` gives up.
     """
 
-    def __init__(self, settings: StreamSettings) -> None:
+    def __init__(self, settings: StreamSettings, stepped: Callable[[], bool]) -> None:
         self._settings = settings
+        self._stepped = stepped
         self._frames: deque[bytes] = deque()
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -423,7 +431,7 @@ class _NetworkEnd:
         self._in.clear()
         self._heard_at, self._epoch, self._started_at = None, 0, time.monotonic()
         with contextlib.suppress(OSError):  # it ended at once: seen by the next receive
-            self._sock.sendall(netproc.encode_settings(self._settings))
+            self._sock.sendall(netproc.encode_settings(mid_episode_settings(self._settings, self._stepped())))
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
         """Send ``rows`` to the network process (dropped while it is being replaced: the worker
@@ -516,9 +524,10 @@ class _LocalEnd:
     the stream with DEADLINE_EXCEEDED.
     """
 
-    def __init__(self, path: str, settings: StreamSettings) -> None:
+    def __init__(self, path: str, settings: StreamSettings, stepped: Callable[[], bool]) -> None:
         self._path = path
         self._settings = settings
+        self._stepped = stepped
         self._sock: socket.socket | None = None
         self._epoch = 0
         self._up = False  # the server accepted the open connection's settings
@@ -557,7 +566,7 @@ class _LocalEnd:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(self._path)
-            sock.sendall(netproc.encode_settings(self._settings))
+            sock.sendall(netproc.encode_settings(mid_episode_settings(self._settings, self._stepped())))
         except OSError as exc:
             sock.close()
             self._lost(f"cannot reach the local socket {self._path}: {exc}")

@@ -496,14 +496,20 @@ def on_session(session_id: str) -> Callable[..., bool]:
 
 @contextlib.contextmanager
 def stepping(worker: SimWorker) -> Iterator[dict[str, Any]]:
-    """``worker.run_blocking`` on a thread of its own during the block, stopped and closed at its
-    end; the dict it yields then holds the worker's ``progress``, or the ``error`` it raised."""
+    """The worker on a thread of its own during the block (``run_blocking`` with a network process
+    or the local socket, else ``run`` on an event loop of that thread, the stream on the worker),
+    stopped and closed at its end; the dict it yields then holds the worker's ``progress``, or the
+    ``error`` it raised."""
     stop = threading.Event()
     result: dict[str, Any] = {}
+    cfg = worker.config
 
     def work() -> None:
         try:
-            result["progress"] = worker.run_blocking(stop.is_set)
+            if cfg.network_process or cfg.local_socket:
+                result["progress"] = worker.run_blocking(stop.is_set)
+            else:
+                result["progress"] = asyncio.run(worker.run(stop.is_set))
         except Exception as exc:  # for the test to report
             result["error"] = exc
 

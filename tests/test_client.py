@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,7 +19,9 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.edge_server.transitions import StreamHandle, TransitionConfig, TransitionStore
 from edgerl.proto import frames
+from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.netproc import HUNG_AFTER_S
@@ -137,6 +140,64 @@ def test_a_sim_worker_rides_through_server_restarts(network_process: bool) -> No
             assert steps_on(worker, 200)
     assert "error" not in result, result
     assert result["progress"].reconnects >= 4
+
+
+@pytest.mark.parametrize("transport", ["stream-on-worker", "network-process", "local-socket"])
+def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episodes_are_marked_joined(
+    transport: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A restarted server knows no session: the worker's envs are mid-episode, and it says so on
+    every stream after its first (``StreamHello.mid_episode``, or the local socket's settings).
+    The new server numbers those episodes from its clock and marks them joined midway, so that
+    the trainer neither drops their segments as ones it took before nor logs their tails as
+    whole episodes."""
+    hellos: list[tuple[str, bool]] = []
+    open_stream = TransitionStore.open_stream
+
+    def spy(
+        self: TransitionStore, session_id: str, num_envs: int, *, mid_episode: bool = False
+    ) -> StreamHandle:
+        hellos.append((session_id, mid_episode))
+        return open_stream(self, session_id, num_envs, mid_episode=mid_episode)
+
+    monkeypatch.setattr(TransitionStore, "open_stream", spy)
+    path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
+    learner = TransitionConfig(segment_steps=4)
+    with ServerThread(EchoPolicy(4, 1), learner=learner, local_socket=path) as server:
+        worker = _worker(
+            "" if path else server.address,
+            num_envs=4,
+            session_id="mid",
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+            network_process=transport == "network-process",
+            local_socket=path,
+        )
+        with stepping(worker) as result:
+            assert steps_on(worker, 100)
+            server.kill()
+            time.sleep(0.2)
+            restarted_us = time.time_ns() // 1000
+            server.restart()
+            assert steps_on(worker, 100)
+
+            def first_segments() -> list[pb.Segment]:
+                assert server.server is not None and server.server.store is not None
+                store = server.server.store
+                store.ack(0, 1 << 30)
+                return store.take_sendable()
+
+            segments = server.in_loop(first_segments)
+    assert "error" not in result, result
+    assert hellos[0] == ("mid", False) and len(hellos) >= 2, hellos  # its envs had just been reset
+    assert all(mid for _, mid in hellos[1:]), hellos
+    assert isinstance(segments, list) and segments
+    first_of_env: dict[int, pb.Segment] = {}
+    for seg in segments:
+        first_of_env.setdefault(seg.env_id, seg)
+    assert sorted(first_of_env) == [0, 1, 2, 3]
+    for seg in first_of_env.values():
+        assert seg.joined_mid_episode and seg.episode >= restarted_us, seg
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,28 @@ def test_trainer_takes_segments_and_a_publish_changes_the_served_version() -> No
     run(main())
 
 
+def test_the_server_lets_go_of_closed_sessions_past_max_closed_sessions_and_counts_them() -> None:
+    """Each sim fleet start and robot host start makes new sessions; the counters of the closed
+    ones were kept for good. Past ``max_closed_sessions`` the longest closed ones go, and
+    ``Stats.sessions_forgotten`` says how many went."""
+
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=4, max_closed_sessions=1)
+        async with running_server(_backend(), learner=learner) as server:
+            async with EdgeClient(server.address) as client:
+                for name in ("a", "b", "c"):
+                    stream = await client.open_stream(session_id=name, num_envs=1, obs_shape=[4])
+                    await stream.send([0], np.zeros((1, 4), np.float32), [0.0], [False], [False])
+                    await stream.recv()
+                    await stream.close()
+                    assert await waited(lambda: server.servicer.active_streams == 0, 10)
+                st = await client.stats()
+                store = server.store
+                assert st.sessions_forgotten == 2 and store is not None and list(store._sessions) == ["c"]
+
+    run(main())
+
+
 async def _stats(address: str) -> pb.StatsResponse:
     async with EdgeClient(address) as client:
         return await client.stats()

@@ -268,6 +268,12 @@ _CASES = [
         "INVALID_ARGUMENT",
         "settings.backfill: must be true or false, got 'yes'",
     ),
+    (
+        "mid_episode not a bool",
+        _settings(mid_episode=1),
+        "INVALID_ARGUMENT",
+        "settings.mid_episode: must be true or false, got 1",
+    ),
     ("obs shape of another env", _settings(obs_shape=[17]), "INVALID_ARGUMENT", "hello.obs_shape"),
     ("no session id", _settings(session_id=""), "INVALID_ARGUMENT", "hello.session_id"),
     (
@@ -634,7 +640,7 @@ def test_worker_end_reassembles_answers_longer_than_one_read(tmp_path: Path) -> 
     path = str(tmp_path / "act.sock")
     settings = StreamSettings("", "local-test", 2 * rows_per_frame, (act,), 5.0, 0.05, 0.5)
     with ServerThread(EchoPolicy(act, act), local_socket=path):
-        end = _LocalEnd(path, settings)
+        end = _LocalEnd(path, settings, lambda: False)
         try:
             up = _next_frame(end)
             assert up[:1] == frames.UP

@@ -20,10 +20,12 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
+from edgerl.edge_server.validation import StreamSpec, check_hello
 from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
+from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.bags import read_bag
 from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
@@ -212,9 +214,18 @@ def test_small_injected_latency_is_absorbed(network_process: bool) -> None:
 
 
 @BOTH_STREAMS
-def test_server_killed_robots_keep_rate_fall_back_and_resume(network_process: bool) -> None:
+def test_server_killed_robots_keep_rate_fall_back_and_resume(
+    network_process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
     kinds: list[list[TickKind]] = [[], []]
+    mid_episode: list[bool] = []  # what each stream's hello said
+
+    def spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
+        mid_episode.append(hello.mid_episode)
+        return check_hello(hello, *args)
+
+    monkeypatch.setattr("edgerl.edge_server.service.check_hello", spy)
 
     def record(i: int, tick: Tick, reading: Any, was_reset: bool) -> None:
         kinds[i].append(tick.kind)
@@ -243,6 +254,8 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume(network_process: bo
         tail = k[-int(0.5 * HZ) :]
         assert tail.count(TickKind.POLICY) >= 0.8 * len(tail), tail
         assert host.reconnects >= 1
+    # The robots stepped on through the outage: the restarted server is told they are mid-episode.
+    assert mid_episode[0] is False and len(mid_episode) >= 2 and all(mid_episode[1:]), mid_episode
 
 
 def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -> None:

@@ -4,7 +4,9 @@ segments it makes (episodes rebuilt, per-env state forgotten once an env goes qu
 from __future__ import annotations
 
 import asyncio
+import math
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ from edgerl.edge_server.transitions import (
 )
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
-from edgerl.trainer.segments import EnvStates, EpisodeTracker, RewardScaler, assemble
+from edgerl.trainer.segments import Deduplicator, EnvStates, EpisodeTracker, RewardScaler, assemble
 
 OBS = (3,)
 
@@ -175,6 +177,132 @@ def test_a_closed_session_frees_its_rows_and_a_later_stream_goes_on_with_its_epi
     assert _row_bytes(store) == held
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _closed_store(clock: _Clock, **kw: object) -> TransitionStore:
+    return TransitionStore(TransitionConfig(segment_steps=2, **kw), OBS, clock=clock)  # type: ignore[arg-type,unused-ignore]
+
+
+def _session_ran(
+    store: TransitionStore, session_id: str, steps: int = 3, *, close: bool = True
+) -> StreamHandle:
+    h = store.open_stream(session_id, 1)
+    for k in range(steps):
+        _step(store, h, [0], k, term=[k == 1])  # its episode 0 ends: row 1 is its final observation
+    if close:
+        store.close_stream(h)
+    return h
+
+
+def test_a_closed_session_is_kept_for_closed_session_keep_s_and_then_let_go() -> None:
+    """A closed session's counters were kept for good (1.7 KB each with 32 envs, every sim fleet
+    start making new sessions). A stream that comes back within ``closed_session_keep_s`` still
+    goes on with its episodes; one that comes back later starts afresh."""
+    clock = _Clock()
+    store = _closed_store(clock, closed_session_keep_s=600.0)
+    _session_ran(store, "back-soon")
+    _session_ran(store, "back-late")
+    assert {(seg.session_id, seg.episode, seg.t) for seg in _drain(store)} == {
+        ("back-soon", 0, 0),
+        ("back-late", 0, 0),
+    }
+    clock.now += 599.0
+    again = store.open_stream("back-soon", 1)  # reopened in time: off the closed list
+    _step(store, again, [0], 0)
+    clock.now += 1.0
+    _session_ran(store, "another")  # each close lets go of what has been closed too long
+    assert store.counters.sessions_forgotten == 1
+    assert sorted(store._sessions) == ["another", "back-soon"]
+    _step(store, again, [0], 1)
+    _step(store, again, [0], 2)
+    late = store.open_stream("back-late", 1)
+    _step(store, late, [0], 0)
+    _step(store, late, [0], 1)
+    _step(store, late, [0], 2)
+    assert [(seg.session_id, seg.episode, seg.t) for seg in _drain(store)] == [
+        ("another", 0, 0),
+        ("back-soon", 1, 1),  # went on: episode 1 began at the close, its first step lost
+        ("back-late", 0, 0),  # afresh
+    ]
+    clock.now += 10_000.0  # nothing closes: what is closed goes at the next open
+    store.open_stream("new", 1)
+    assert sorted(store._sessions) == ["back-late", "back-soon", "new"]  # those two stay open
+    assert store.counters.sessions_forgotten == 2
+
+
+def test_at_most_max_closed_sessions_are_kept_the_longest_closed_going_first() -> None:
+    clock = _Clock()
+    store = _closed_store(clock, max_closed_sessions=2)
+    for n in range(5):
+        _session_ran(store, f"s{n}")
+        clock.now += 1.0
+    assert sorted(store._sessions) == ["s3", "s4"] and store.counters.sessions_forgotten == 3
+    open_one = _session_ran(store, "open", close=False)
+    _session_ran(store, "s5")
+    assert sorted(store._sessions) == ["open", "s4", "s5"]  # an open session is never let go
+    store.close_stream(open_one)
+    assert sorted(store._sessions) == ["open", "s5"]
+    nothing = _closed_store(clock, max_closed_sessions=0)
+    _session_ran(nothing, "s")
+    assert nothing._sessions == {} and nothing.counters.sessions_forgotten == 1
+
+
+def test_a_session_that_comes_back_mid_episode_to_a_server_that_does_not_know_it_is_marked_joined() -> None:
+    """A robot's stream comes back after its server restarted: the new server numbered its envs'
+    episodes from 0 again, so the trainer dropped the new segments whose identities (session,
+    env, 0, t) it had taken before as duplicates (here both of the episode's, 4 transitions
+    lost) and, once those had left its memory, took the episode's tail for a whole episode (3
+    steps of 8). A client that says ``mid_episode`` now has the episodes in progress numbered
+    from the clock and marked as joined midway; the trainer counts them as cut and takes every
+    segment."""
+    tracker, dedupe = EpisodeTracker(), Deduplicator()
+
+    def trainer_takes(store: TransitionStore) -> list[pb.Segment]:
+        segs = [seg for seg in _drain(store) if dedupe.first_time(seg)]
+        assemble(segs, None, tracker)
+        return segs
+
+    before = _store(segment_steps=2)
+    h = before.open_stream("robot", 1)
+    for k in range(5):
+        _step(before, h, [0], k, reward=float(k))
+    assert [(s.episode, s.t) for s in trainer_takes(before)] == [(0, 0), (0, 2)]
+    from_us = time.time_ns() // 1000
+    restarted = _store(segment_steps=2)  # the server restarted: it knows no session
+    h = restarted.open_stream("robot", 1, mid_episode=True)
+    for k in range(5, 12):  # the robot's episode goes on, and ends with message 8
+        _step(restarted, h, [0], k, reward=float(k), term=[k == 8])
+    taken = trainer_takes(restarted)
+    assert [(s.episode - from_us >= 0, s.t, s.joined_mid_episode) for s in taken] == [
+        (True, 0, True),
+        (True, 2, True),
+        (True, 0, False),  # its next episode is whole: row 3's autoreset began it
+    ]
+    first = taken[0].episode
+    assert from_us <= first <= time.time_ns() // 1000 and taken[2].episode == first + 1
+    assert dedupe.duplicates == 0
+    assert (tracker.cut, tracker.log.count) == (1, 0)
+    h = restarted.open_stream("robot", 1, mid_episode=True)  # a reconnect the server knows of
+    for k in range(12, 15):
+        _step(restarted, h, [0], k, reward=float(k), term=[k == 14])
+    assert [(s.episode, s.t, s.joined_mid_episode) for s in trainer_takes(restarted)] == [
+        (first + 1, 3, False),  # goes on, its step in flight lost to the reconnect: cut
+    ]
+    assert (tracker.cut, tracker.log.count) == (2, 0)
+    fresh = restarted.open_stream("sim", 1)  # not mid-episode: numbered from 0, whole
+    for k in range(4):
+        _step(restarted, fresh, [0], k, reward=float(k), term=[k == 2])
+    assert [(s.episode, s.t, s.joined_mid_episode) for s in trainer_takes(restarted)] == [(0, 0, False)]
+    assert tracker.log.last_lengths(10) == [2]  # the sim's episode (rows 0-1); the robot's are cut
+    assert tracker.cut == 2
+
+
 def test_window_resend_and_ack() -> None:
     store = _store(segment_steps=2)
     h = store.open_stream("s", 4)
@@ -260,6 +388,15 @@ BAD_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "overflow": ({"overflow": "spill"}, "overflow must be one of ('block', 'drop'), got 'spill'"),
     "sync_env_steps": ({"sync_env_steps": -1}, "sync_env_steps must be >= 0, got -1"),
     "weight_sync_interval": ({"weight_sync_interval": 0}, "weight_sync_interval must be >= 1, got 0"),
+    "closed_session_keep_s": (
+        {"closed_session_keep_s": -1.0},
+        "closed_session_keep_s must be >= 0, got -1.0",
+    ),
+    "closed_session_keep_s NaN": (
+        {"closed_session_keep_s": math.nan},
+        "closed_session_keep_s must be >= 0, got nan",
+    ),
+    "max_closed_sessions": ({"max_closed_sessions": -1}, "max_closed_sessions must be >= 0, got -1"),
     "sync with interval": (
         {"sync_env_steps": 32, "weight_sync_interval": 2},
         "synchronous mode (sync_env_steps > 0) needs weight_sync_interval = 1",

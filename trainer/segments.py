@@ -184,8 +184,9 @@ class EpisodeTracker:
 
     An episode is logged only if every one of its steps arrived: a trainer that joins a server
     mid-run, a segment the server dropped (``overflow = "drop"``) and a client's reconnect with
-    an action in flight all cut one, and a cut episode's return and length were once logged as
-    if they were whole. The cut ones are counted in ``cut``. (The server numbers the step in
+    an action in flight all cut one, and so does a client's return mid-episode to a server that
+    had restarted (or forgotten its session); a cut episode's return and length were once logged
+    as if they were whole. The cut ones are counted in ``cut``. (The server numbers the step in
     flight as lost, whether or not the client applied its action: a sim worker sends the same
     observation again; such an episode is counted as cut, though none of it is missing.)
     """
@@ -203,11 +204,15 @@ class EpisodeTracker:
         rewards: np.ndarray,
         done: np.ndarray,
         autoreset: np.ndarray,
+        *,
+        joined: bool = False,
     ) -> None:
-        """One segment of env ``key`` whose first row is ``start`` = (episode, t)."""
+        """One segment of env ``key`` whose first row is ``start`` = (episode, t); ``joined``:
+        its episode began before the server knew the env (``Segment.joined_mid_episode``)."""
         run = self.running.get(key)
         if run is None or (run.episode, run.t) != start:
-            run = _Running(*start, whole=start[1] == 0)  # an episode's first row has t = 0
+            # An episode's first row has t = 0, unless the server joined the episode midway.
+            run = _Running(*start, whole=start[1] == 0 and not joined)
         episode, t, ret, length, whole = run.episode, run.t, run.ret, run.length, run.whole
         for r, d, a in zip(rewards.tolist(), done.tolist(), autoreset.tolist(), strict=True):
             if a:  # the env reset on this row's action: the next row begins an episode
@@ -268,7 +273,8 @@ def assemble(segments: list[pb.Segment], scaler: RewardScaler | None, episodes: 
         trunc = np.asarray(seg.truncated, bool)
         auto = np.asarray(seg.autoreset, bool)
         key = (seg.session_id, int(seg.env_id))
-        episodes.add(key, (int(seg.episode), int(seg.t)), raw, term | trunc, auto)
+        start = (int(seg.episode), int(seg.t))
+        episodes.add(key, start, raw, term | trunc, auto, joined=seg.joined_mid_episode)
         cols["obs_ext"] += [obs, boot]
         cols["obs_index"].append(np.arange(base, base + t))
         cols["next_index"].append(np.arange(base + 1, base + t + 1))

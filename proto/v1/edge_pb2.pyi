@@ -49,20 +49,22 @@ class BoxSpace(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamHello(_message.Message):
-    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight", "backfill")
+    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight", "backfill", "mid_episode")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
     OBS_SHAPE_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKFILL_FIELD_NUMBER: _ClassVar[int]
+    MID_EPISODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     env_name: str
     num_envs: int
     obs_shape: _containers.RepeatedScalarFieldContainer[int]
     max_inflight: int
     backfill: bool
-    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ...) -> None: ...
+    mid_episode: bool
+    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ..., mid_episode: _Optional[bool] = ...) -> None: ...
 
 class StepObservation(_message.Message):
     __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback")
@@ -159,7 +161,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes")
+    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes", "sessions_forgotten")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +181,7 @@ class StatsResponse(_message.Message):
     TRANSITIONS_DROPPED_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     BACKPRESSURE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_PUBLISHES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     requests: int
     batches: int
     rows: int
@@ -198,10 +201,11 @@ class StatsResponse(_message.Message):
     transitions_dropped_disconnect: int
     backpressure_wait_us: int
     weight_publishes: int
-    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ...) -> None: ...
+    sessions_forgotten: int
+    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ..., sessions_forgotten: _Optional[int] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("seq", "session_id", "env_id", "episode", "t", "obs", "actions", "log_probs", "values", "policy_versions", "rewards", "terminated", "truncated", "fallback", "autoreset", "bootstrap_obs")
+    __slots__ = ("seq", "session_id", "env_id", "episode", "t", "obs", "actions", "log_probs", "values", "policy_versions", "rewards", "terminated", "truncated", "fallback", "autoreset", "bootstrap_obs", "joined_mid_episode")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_ID_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,7 @@ class Segment(_message.Message):
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
     AUTORESET_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_OBS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_MID_EPISODE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     session_id: str
     env_id: int
@@ -234,7 +239,8 @@ class Segment(_message.Message):
     fallback: _containers.RepeatedScalarFieldContainer[bool]
     autoreset: _containers.RepeatedScalarFieldContainer[bool]
     bootstrap_obs: Tensor
-    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ..., env_id: _Optional[int] = ..., episode: _Optional[int] = ..., t: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., log_probs: _Optional[_Iterable[float]] = ..., values: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ..., autoreset: _Optional[_Iterable[bool]] = ..., bootstrap_obs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    joined_mid_episode: bool
+    def __init__(self, seq: _Optional[int] = ..., session_id: _Optional[str] = ..., env_id: _Optional[int] = ..., episode: _Optional[int] = ..., t: _Optional[int] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., actions: _Optional[_Union[Tensor, _Mapping]] = ..., log_probs: _Optional[_Iterable[float]] = ..., values: _Optional[_Iterable[float]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ..., autoreset: _Optional[_Iterable[bool]] = ..., bootstrap_obs: _Optional[_Union[Tensor, _Mapping]] = ..., joined_mid_episode: _Optional[bool] = ...) -> None: ...
 
 class TransitionAck(_message.Message):
     __slots__ = ("acked_seq", "window_steps", "trainer_id")
