@@ -89,9 +89,10 @@ def _is_uint32(d: object) -> bool:
 def hello_from_settings(text: bytes) -> pb.StreamHello:
     """The StreamHello that a local stream's settings (a ``C`` frame's JSON object) declare:
     ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name``, ``backfill`` and
-    ``mid_episode`` (optional), with one message in flight per env (as a network process declares). Settings
-    that cannot be read are refused naming the field (``settings.num_envs: ...``); what they
-    declare is checked as a hello's is, by :func:`check_hello`."""
+    ``mid_episode`` (optional), with one message in flight per env (as a network process
+    declares). Settings that cannot be read are refused naming the field
+    (``settings.num_envs: ...``); what they declare is checked as a hello's is, by
+    :func:`check_hello`."""
     try:
         settings = json.loads(text.decode())
     except ValueError as exc:  # UnicodeDecodeError included: UTF-8 only, as JSON is sent
