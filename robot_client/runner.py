@@ -464,7 +464,9 @@ class _ProcessOutbox(_Outbox):
             self._heard_at = self.clock.now()  # its silence counts from the first row unanswered
         self._out += frames.encode_obs(self.epoch, _obs_rows([batch]))
         self._send()
-        return True
+        # The send may have found the process lost: the batch was not taken, and must not be
+        # held as unanswered, or the process that replaces it is killed as hung at once.
+        return self._sock is not None
 
     def _send(self) -> None:
         if not self._out or self._sock is None:

@@ -18,7 +18,7 @@ from edgerl.proto import frames
 from edgerl.robot_client import netproc
 from edgerl.robot_client.keeper import StreamSettings, concat_rows
 from edgerl.robot_client.netproc import HUNG_AFTER_S, RESTART_DELAY_S
-from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox
+from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox, _Request
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import EchoPolicy, ServerThread, Spawned, first_spawn_runs_on, wait_until
@@ -189,6 +189,50 @@ def test_robots_outlive_their_network_process() -> None:
             ran_s = time.monotonic() - started
     assert s["ticks"] >= 0.95 * 50 * ran_s  # the loop kept its rate throughout
     assert kinds[-20:].count(TickKind.POLICY) >= 15
+
+
+def _served_until_connected(outbox: _ProcessOutbox, timeout_s: float = 10.0) -> bool:
+    """Serve ``outbox``'s stream (as the control loop's idle time does) until it is up."""
+    deadline = time.monotonic() + timeout_s
+    while not outbox.connected and time.monotonic() < deadline:
+        outbox.wait(0.01)
+    return outbox.connected
+
+
+def test_a_network_process_lost_on_a_send_leaves_nothing_for_its_replacement_to_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The host found its network process gone when it sent the robots' observations (its socket
+    broken), not when it read: the batch it was sending was kept as unanswered, so the process that
+    replaced it was killed as hung at once, for a second more of fallbacks (seen once in CI). The
+    batch's robots are released to ask again; the replacement is left to come up."""
+    robot = CounterRobot()
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        watchdog = WatchdogConfig(hz=50.0, deadline_s=0.02, max_delta=1e6, estop_after=0)
+        cfg = RobotRunnerConfig(srv.address, watchdog, network_process=True, network_spare=False)
+        host = RobotHost([robot], cfg)  # its control loop is not started: the test drives the stream
+        outbox = _process_outbox(host)
+        try:
+            outbox.open()
+            assert _served_until_connected(outbox), "no stream"
+            first = outbox._proc
+            assert first is not None
+            first.kill()
+            first.wait()
+            link = host.links[0]
+            link._outstanding = True  # what posting a request marks
+            request = _Request(0, 0.0, np.zeros(3, np.float32), 0.0, False, False, False)
+            outbox.post(0, request)
+            outbox.flush()  # the send finds the socket broken
+            assert (outbox.restarts, outbox.connected, len(outbox._rows)) == (1, False, 0)
+            assert not link._outstanding  # released: it asks again on the new stream
+            assert _served_until_connected(outbox), "no new stream"
+            time.sleep(HUNG_AFTER_S + 0.2)
+            outbox.wait(0.0)
+            assert (outbox.restarts, outbox.connected) == (1, True), caplog.text
+            assert "killed as hung" not in caplog.text
+        finally:
+            host.stop()
 
 
 def _ready_spare(host: RobotHost) -> netproc.Spare:
