@@ -7,7 +7,8 @@ edge server's machine talks to the server's local Act socket
 little-endian ``u32`` length and a payload whose first byte is its kind:
 
 - ``C`` (client first): the stream's settings, a JSON object. The local Act
-  socket reads ``session_id``, ``num_envs``, ``obs_shape`` and ``env_name``.
+  socket reads ``session_id``, ``num_envs``, ``obs_shape``, ``env_name``,
+  ``backfill`` and ``mid_episode``.
 - ``O`` (client): ``epoch, rows, obs_size`` (``u32``), then the rows' env ids
   (``i32``), observations (``f32``), rewards (``f32``) and terminated /
   truncated / fallback flags (``u8`` each, row by row).
@@ -22,6 +23,9 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   ``HEARTBEAT_S`` of :mod:`edgerl.robot_client.netproc` while its event loop
   runs, so that its client hears from a live process also while the server
   is slow to answer, and takes its silence for a hang.
+- ``S`` (a robot host to its network process): nothing more. The robots have
+  stepped without a stream (their loop began before one came up): every
+  stream the process opens from now on says ``mid_episode``.
 
 A network process numbers its streams (epochs) itself. The local Act socket
 keeps no epochs: its ``U`` and ``D`` frames carry 0, and each ``A`` frame the
@@ -57,7 +61,7 @@ RECV_BYTES = 1 << 16
 (128 KiB), as ``socket.recv(n)`` allocates ``n`` bytes before shrinking them to what came. In a
 fresh process a 1 KiB answer took 10 us of CPU to read with ``n`` of 1 MiB, 0.9 us with 64 KiB. (In a
 running sim worker glibc had raised the threshold: strace showed no mapping calls either way.)"""
-CONFIG, OBS, UP, DOWN, ANSWER, HEARTBEAT = b"C", b"O", b"U", b"D", b"A", b"H"
+CONFIG, OBS, UP, DOWN, ANSWER, HEARTBEAT, STEPPED = b"C", b"O", b"U", b"D", b"A", b"H", b"S"
 _OBS = struct.Struct("<cIII")
 _STATE = struct.Struct("<cI")
 _ANSWER = struct.Struct("<cIIqB")

@@ -189,6 +189,11 @@ class StreamKeeper(Generic[Part]):
         if self._live is not None and epoch == self.epoch:
             self._live.put_nowait(part)
 
+    def stepped(self) -> None:
+        """The envs or robots stepped without a stream: every stream from now on says
+        ``mid_episode``."""
+        self.settings = mid_episode_settings(self.settings, stepped=True)
+
     async def run(self) -> None:
         """Keep the stream open, reconnecting with backoff and jitter."""
         cfg = self.settings
@@ -214,7 +219,7 @@ class StreamKeeper(Generic[Part]):
                         max_inflight=cfg.num_envs,
                         timeout_s=cfg.timeout_s,
                         backfill=cfg.backfill,
-                        mid_episode=cfg.mid_episode or self.epoch > 0,
+                        mid_episode=self.settings.mid_episode or self.epoch > 0,
                     )
                     self.epoch += 1
                     self._live = asyncio.Queue()

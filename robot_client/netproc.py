@@ -39,6 +39,7 @@ from edgerl.proto.frames import (
     HEARTBEAT,
     LENGTH,
     OBS,
+    STEPPED,
     UP,
     decode_failure,
     decode_obs,
@@ -174,6 +175,8 @@ async def _main(sock: socket.socket) -> None:
                 payload = await reader.readexactly(n)
                 if payload[:1] == OBS:
                     keeper.offer(*decode_obs(payload))
+                elif payload[:1] == STEPPED:
+                    keeper.stepped()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

@@ -275,6 +275,11 @@ class _Outbox:
         """Hand ``batch`` (robot index, request) to the stream; False if it cannot take it now."""
         raise NotImplementedError
 
+    def stepping_without_stream(self) -> None:
+        """The control loop starts before a stream is up: the robots step on fallbacks, and every
+        stream from now on says ``mid_episode``."""
+        raise NotImplementedError
+
     def post(self, index: int, req: _Request) -> None:
         self._collected.append((index, req))
 
@@ -373,6 +378,9 @@ class _ThreadOutbox(_Outbox):
         self._keeper.offer(self.epoch, batch)  # made into arrays once per message, when sent
         return True
 
+    def stepping_without_stream(self) -> None:
+        self._keeper.stepped()
+
 
 class _ProcessOutbox(_Outbox):
     """The stream lives in a network process, behind a Unix socket pair. Processes come from
@@ -413,11 +421,16 @@ class _ProcessOutbox(_Outbox):
     def open(self) -> None:
         self._sock, self._proc = self._spare.take()
         # A network process that replaces one comes to robots that have stepped.
-        settings = mid_episode_settings(self.settings, stepped=self._started_at > -math.inf)
-        self._out = bytearray(netproc.encode_settings(settings))
+        self.settings = mid_episode_settings(self.settings, stepped=self._started_at > -math.inf)
+        self._out = bytearray(netproc.encode_settings(self.settings))
         self._in.clear()
         self._restart_at = math.inf
         self._started_at = self.clock.now()
+
+    def stepping_without_stream(self) -> None:
+        self.settings = mid_episode_settings(self.settings, stepped=True)  # for its replacements
+        self._out += frames.frame(frames.STEPPED)  # for the process now starting
+        self._send()
 
     def close(self) -> None:
         """The network process sees the socket close, closes its stream and exits."""
@@ -841,6 +854,7 @@ class RobotHost:
                 self.config.server,
                 self.config.connect_timeout_s,
             )
+            self._outbox.stepping_without_stream()
         # A full collection over the robots' heap (MuJoCo models, envs) stalls the
         # loop for milliseconds; moving what exists now out of the collector's
         # reach took the tick jitter p99 of 50 robots from ~2-3 ms to ~0.2 ms.

@@ -258,6 +258,33 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume(
     assert mid_episode[0] is False and len(mid_episode) >= 2 and all(mid_episode[1:]), mid_episode
 
 
+@BOTH_STREAMS
+def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first(
+    network_process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No stream within ``connect_timeout_s``: the loop runs the robots on fallbacks, so when the
+    server comes their episodes are under way, and the first stream says so, not only later ones
+    (its hello said otherwise, and a trainer logged the episodes' tails as whole ones)."""
+    mid_episode: list[bool] = []
+
+    def spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
+        mid_episode.append(hello.mid_episode)
+        return check_hello(hello, *args)
+
+    monkeypatch.setattr("edgerl.edge_server.service.check_hello", spy)
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        srv.kill()
+        cfg = _config(srv.address, network_process=network_process, connect_timeout_s=0.2)
+        with RobotHost([CounterRobot()], cfg) as host:
+            assert not host.connected
+            time.sleep(0.3)  # the robots step on fallbacks
+            srv.restart()
+            assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
+            (s,) = host.stats()
+    assert s["ticks"] > 0 and s["fallbacks"] > 0
+    assert mid_episode and all(mid_episode), mid_episode
+
+
 def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -> None:
     robot = CounterRobot()
     with ServerThread(EchoPolicy(3, 2)) as srv:
