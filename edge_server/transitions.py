@@ -139,8 +139,6 @@ class _Session:
         in microseconds: a transition's identity is (session, env, episode, t), and counting from
         0 again would repeat ones that a trainer has taken (and drops as duplicates). Episodes
         take more than a microsecond, so no earlier count reaches it."""
-        self.joined_mid_episode = mid_episode
-        """The envs' first episodes here began before the server knew the session."""
         self.act_shape: tuple[int, ...] | None = None
         self._rows_shape = (num_envs, steps + 1)  # row T holds the bootstrap observation
         self._obs_shape = obs_shape
@@ -172,6 +170,11 @@ class _Session:
         """Row ``pos`` has its action and waits for its reward."""
         self.seg_episode: np.ndarray = np.zeros(e, np.int64)
         self.seg_t: np.ndarray = np.zeros(e, np.int64)
+
+    @property
+    def joined_mid_episode(self) -> bool:
+        """The envs' first episodes here began before the server knew the session."""
+        return self.first_episode != 0
 
     @property
     def rows_held(self) -> bool:

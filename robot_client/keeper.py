@@ -181,6 +181,7 @@ class StreamKeeper(Generic[Part]):
         self.combine = combine
         self.on_up, self.on_down, self.on_answer = on_up, on_down, on_answer
         self.epoch = 0
+        self._mid_episode = settings.mid_episode  # the envs or robots stepped before its first stream
         self.stopping = asyncio.Event()
         self._live: asyncio.Queue[Part] | None = None
 
@@ -192,7 +193,7 @@ class StreamKeeper(Generic[Part]):
     def stepped(self) -> None:
         """The envs or robots stepped without a stream: every stream from now on says
         ``mid_episode``."""
-        self.settings = mid_episode_settings(self.settings, stepped=True)
+        self._mid_episode = True
 
     async def run(self) -> None:
         """Keep the stream open, reconnecting with backoff and jitter."""
@@ -219,7 +220,7 @@ class StreamKeeper(Generic[Part]):
                         max_inflight=cfg.num_envs,
                         timeout_s=cfg.timeout_s,
                         backfill=cfg.backfill,
-                        mid_episode=self.settings.mid_episode or self.epoch > 0,
+                        mid_episode=self._mid_episode or self.epoch > 0,
                     )
                     self.epoch += 1
                     self._live = asyncio.Queue()
