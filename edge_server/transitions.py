@@ -289,8 +289,12 @@ class TransitionStore:
         for e in envs.tolist():
             p = int(s.pos[e])  # the open row's observation bootstraps the last completed one
             self._emit(s, e, p, s.obs[e, p])
-        # The open rows' actions are lost: their episodes continue with a gap of one step.
-        s.t[s.has_action] += 1
+        # The open rows' actions are lost: their episodes continue with a gap of one step, or
+        # (a final observation's row, whose env reset) with the next episode.
+        lost = np.flatnonzero(s.has_action)
+        reset = s.autoreset[lost, s.pos[lost]]
+        s.episode[lost] += reset
+        s.t[lost] = np.where(reset, 0, s.t[lost] + 1)
         s.pos[:] = 0
         s.awaiting[:] = False
         s.has_action[:] = False

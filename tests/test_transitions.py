@@ -140,6 +140,20 @@ def test_reconnect_flushes_completed_rows_and_counts_the_open_one() -> None:
     np.testing.assert_array_equal(tensors.decode(seg2.obs)[:, 0], list(range(3, 11)))
 
 
+def test_a_final_observation_answered_and_lost_begins_the_next_episode_at_t_0() -> None:
+    """Message 2 (the final observation of episode 0) was answered and the stream ended: the
+    client's next observation begins episode 1. It was numbered (0, 3) before, as if episode 0
+    went on."""
+    store = _store(segment_steps=8)
+    h = store.open_stream("s", 1)
+    for k in range(3):
+        _step(store, h, [0], k, term=[k == 2])
+    h = store.open_stream("s", 1)
+    for k in range(3, 12):
+        _step(store, h, [0], k)
+    assert [(seg.episode, seg.t) for seg in _drain(store)] == [(0, 0), (1, 0)]
+
+
 def _row_bytes(store: TransitionStore) -> int:
     """Bytes of the row buffers the store's sessions hold."""
     arrays = [v for s in store._sessions.values() for v in vars(s).values() if isinstance(v, np.ndarray)]
