@@ -234,7 +234,9 @@ class _LocalStream(asyncio.Protocol):
             raise BatcherClosedError("the server is shutting down")
         store = servicer.store
         if store is not None:
-            self._handle = store.open_stream(spec.session_id, spec.num_envs, mid_episode=spec.mid_episode)
+            self._handle = store.open_stream(
+                spec.session_id, spec.num_envs, mid_episode=spec.mid_episode, resumes=spec.resumes
+            )
         self._spec = spec
         self._slots = servicer.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
         servicer.active_streams += 1

@@ -347,7 +347,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
                         handle = store.open_stream(
-                            spec.session_id, spec.num_envs, mid_episode=spec.mid_episode
+                            spec.session_id,
+                            spec.num_envs,
+                            mid_episode=spec.mid_episode,
+                            resumes=spec.resumes,
                         )
                         opened.handles.append(handle)
                     log.info("stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)

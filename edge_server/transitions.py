@@ -17,6 +17,14 @@ contiguous:
 - ``fallback``: the robot applied another action than the policy's (watchdog
   fallback), as reported by the client with the next message.
 
+A stream that ends has its envs' completed rows cut into (short) segments.
+A row that was answered and waits for its reward is lost with it (counted)
+unless the client resumes (``StreamHello.resumes``): then the env's first
+message on its next stream completes the row, or repeats its observation
+(the answer never reached the client, and the env did not step) and has it
+answered again. A sim worker's reconnect to a server that lives on loses no
+step that way.
+
 Segments wait in a bounded outgoing buffer until the trainer acknowledges
 them. The trainer pulls with a window (admission control); when the buffer
 is full, step requests wait (``overflow="block"``, backpressure on the
@@ -65,7 +73,8 @@ class TransitionConfig:
     (seconds). A session that comes back later is one the server does not know, as after a
     restart (see :meth:`TransitionStore.open_stream`)."""
     max_closed_sessions: int = 10_000
-    """Most closed sessions kept (~1.7 KB each with 32 envs); past it the longest closed goes."""
+    """Most closed sessions kept (~1.7 KB each with 32 envs, and up to 3.7 KB more for the steps a
+    resuming stream of 32 HalfCheetah envs left answered); past it the longest closed goes."""
 
     def __post_init__(self) -> None:
         if self.segment_steps < 1:
@@ -140,6 +149,11 @@ class _Session:
         0 again would repeat ones that a trainer has taken (and drops as duplicates). Episodes
         take more than a microsecond, so no earlier count reaches it."""
         self.act_shape: tuple[int, ...] | None = None
+        self.resumes = False
+        """The open (or last) stream resumes where the one before it left off (``StreamHello.resumes``)."""
+        self.carried: _Carried | None = None
+        """Answered rows a resuming stream left open when it closed, for the stream that takes the
+        session over next."""
         self._rows_shape = (num_envs, steps + 1)  # row T holds the bootstrap observation
         self._obs_shape = obs_shape
         e = num_envs
@@ -168,6 +182,9 @@ class _Session:
         """Row ``pos`` has its observation and waits for its action."""
         self.has_action: np.ndarray = np.zeros(e, bool)
         """Row ``pos`` has its action and waits for its reward."""
+        self.resuming: np.ndarray = np.zeros(e, bool)
+        """Row 0 holds an answered row of the stream before, which the env's first message on this
+        stream (a resuming one) either completes or repeats."""
         self.seg_episode: np.ndarray = np.zeros(e, np.int64)
         self.seg_t: np.ndarray = np.zeros(e, np.int64)
 
@@ -185,8 +202,60 @@ class _Session:
         none = _NO_ROWS
         self.obs = self.log_probs = self.values = self.versions = self.rewards = none
         self.terminated = self.truncated = self.fallback = self.autoreset = none
-        self.pos = self.awaiting = self.has_action = self.seg_episode = self.seg_t = none
+        self.pos = self.awaiting = self.has_action = self.resuming = self.seg_episode = self.seg_t = none
         self.actions = None
+
+    def action_rows(self, act_shape: tuple[int, ...]) -> np.ndarray:
+        """The action buffer, allocated at the first answer (its shape comes with it)."""
+        if self.actions is None:
+            self.act_shape = act_shape
+            self.actions = np.zeros((*self._rows_shape, *act_shape), np.float32)
+        return self.actions
+
+
+@dataclass(frozen=True, slots=True)
+class _Carried:
+    """Answered open rows of a session's envs (``envs``), kept from one stream to the next."""
+
+    envs: np.ndarray
+    obs: np.ndarray
+    actions: np.ndarray
+    log_probs: np.ndarray
+    values: np.ndarray
+    versions: np.ndarray
+    autoreset: np.ndarray
+
+    @classmethod
+    def take(cls, s: _Session, envs: np.ndarray) -> _Carried:
+        """Copy the open rows of ``envs`` (answered) out of the session's buffers."""
+        assert s.actions is not None
+        p = s.pos[envs]
+        return cls(
+            envs,
+            s.obs[envs, p],
+            s.actions[envs, p],
+            s.log_probs[envs, p],
+            s.values[envs, p],
+            s.versions[envs, p],
+            s.autoreset[envs, p],
+        )
+
+    def put(self, s: _Session) -> None:
+        """Make them the envs' open rows again, at row 0 of their next segments, each to be
+        completed or repeated by the env's first message."""
+        assert s.act_shape is not None
+        e = self.envs
+        s.obs[e, 0] = self.obs
+        s.action_rows(s.act_shape)[e, 0] = self.actions
+        s.log_probs[e, 0] = self.log_probs
+        s.values[e, 0] = self.values
+        s.versions[e, 0] = self.versions
+        s.autoreset[e, 0] = self.autoreset
+        s.pos[e] = 0
+        s.has_action[e] = True
+        s.resuming[e] = True
+        s.seg_episode[e] = s.episode[e]
+        s.seg_t[e] = s.t[e]
 
 
 _NO_ROWS = np.zeros(0)
@@ -234,37 +303,52 @@ class TransitionStore:
         return self.counters.backpressure_wait_us + ongoing
 
     # -- sessions -------------------------------------------------------------------------------------
-    def open_stream(self, session_id: str, num_envs: int, *, mid_episode: bool = False) -> StreamHandle:
+    def open_stream(
+        self, session_id: str, num_envs: int, *, mid_episode: bool = False, resumes: bool = False
+    ) -> StreamHandle:
         """Claim a session's buffers for a new stream (a reconnect takes over the old one). A
         session this store does not know starts its envs at episode 0; with ``mid_episode`` (the
         client's envs stepped before this stream) those first episodes are numbered from the clock
-        and marked as joined midway, since their earlier steps were never seen here."""
+        and marked as joined midway, since their earlier steps were never seen here.
+
+        Where both the stream before and this one resume (``StreamHello.resumes``), the steps the
+        one before had answered and not seen the rewards of stay open, for the env's first message
+        here to complete or repeat (:meth:`observe`). Otherwise they are counted lost, and their
+        episodes go on one step later."""
         self._forget_closed()
         self._closed.pop(session_id, None)
         s = self._sessions.get(session_id)
         if s is None or s.num_envs != num_envs:
             if s is not None:
-                if s.rows_held:
-                    self._flush(s)
+                self._let_go(s)
                 s.generation += 1  # its stream's handle is spent
             s = _Session(session_id, num_envs, self.config.segment_steps, self.obs_shape, mid_episode)
             self._sessions[session_id] = s
-        elif s.rows_held:
-            self._flush(s)
         else:
-            s.hold_rows()
+            if s.rows_held:  # taken over from a live stream
+                s.carried = self._flush(s)
+            else:
+                s.hold_rows()
+            if s.carried is not None:
+                if resumes:
+                    s.carried.put(s)
+                else:
+                    self._lose(s, s.carried)
+                s.carried = None
+        s.resumes = resumes
         s.generation += 1
         return StreamHandle(s, s.generation)
 
     def close_stream(self, handle: StreamHandle) -> None:
-        """The stream ended: hand over completed rows, count the half-built ones as dropped, and
-        free the session's row buffers (its episode counters stay, for the stream that takes it
-        over, until ``closed_session_keep_s`` has passed). A sim fleet's sessions are named by its
-        host and pid, new ones at each start; the buffers of every closed session were once kept,
-        127 KB for 32 HalfCheetah envs, and their counters (1.7 KB) for good after that."""
+        """The stream ended: hand over completed rows, count the half-built ones as dropped (a
+        resuming stream's answered ones are kept for the stream that resumes it), and free the
+        session's row buffers (its episode counters stay, for the stream that takes it over, until
+        ``closed_session_keep_s`` has passed). A sim fleet's sessions are named by its host and
+        pid, new ones at each start; the buffers of every closed session were once kept, 127 KB
+        for 32 HalfCheetah envs, and their counters (1.7 KB) for good after that."""
         s = handle.session
         if handle.generation == s.generation:
-            self._flush(s)
+            s.carried = self._flush(s)
             s.drop_rows()
             s.generation += 1  # the handle is spent: a late answer for it is not recorded
             self._closed[s.session_id] = self._clock()
@@ -279,25 +363,42 @@ class TransitionStore:
         keep_after = self._clock() - cfg.closed_session_keep_s
         while closed and (len(closed) > cfg.max_closed_sessions or next(iter(closed.values())) <= keep_after):
             session_id, _ = closed.popitem(last=False)
-            del self._sessions[session_id]
+            self._let_go(self._sessions.pop(session_id))
             self.counters.sessions_forgotten += 1
 
-    def _flush(self, s: _Session) -> None:
-        """Cut every env's completed rows into a (short) segment; drop open rows."""
-        self.counters.transitions_dropped_disconnect += int(s.has_action.sum())
+    def _let_go(self, s: _Session) -> None:
+        """The session goes: what its stream had open is lost."""
+        if s.rows_held:
+            s.carried = self._flush(s)
+        if s.carried is not None:
+            self._lose(s, s.carried)
+            s.carried = None
+
+    def _lose(self, s: _Session, rows: _Carried) -> None:
+        """Answered rows whose rewards never came: counted, and their envs' episodes go on one
+        step later (or, after a final observation, with the next episode)."""
+        self.counters.transitions_dropped_disconnect += len(rows.envs)
+        e = rows.envs
+        s.episode[e] += rows.autoreset
+        s.t[e] = np.where(rows.autoreset, 0, s.t[e] + 1)
+
+    def _flush(self, s: _Session) -> _Carried | None:
+        """Cut every env's completed rows into a (short) segment and clear the open rows. The
+        answered ones are returned where the stream resumes, else counted lost."""
         envs = np.flatnonzero(s.pos > 0)  # completed rows imply an open row with its observation
         for e in envs.tolist():
             p = int(s.pos[e])  # the open row's observation bootstraps the last completed one
             self._emit(s, e, p, s.obs[e, p])
-        # The open rows' actions are lost: their episodes continue with a gap of one step, or
-        # (a final observation's row, whose env reset) with the next episode.
-        lost = np.flatnonzero(s.has_action)
-        reset = s.autoreset[lost, s.pos[lost]]
-        s.episode[lost] += reset
-        s.t[lost] = np.where(reset, 0, s.t[lost] + 1)
+        answered = np.flatnonzero(s.has_action)
+        rows = _Carried.take(s, answered) if answered.size else None
         s.pos[:] = 0
         s.awaiting[:] = False
         s.has_action[:] = False
+        s.resuming[:] = False
+        if rows is not None and not s.resumes:
+            self._lose(s, rows)
+            return None
+        return rows
 
     # -- the act path ----------------------------------------------------------------------------------
     def observe(
@@ -329,6 +430,14 @@ class TransitionStore:
                 f"step.env_ids: env {int(env_ids[np.argmax(busy)])} was sent again before its "
                 "previous action was answered"
             )
+        resuming = s.resuming[env_ids]
+        if resuming.any():  # each env's first message on a resuming stream
+            ids = env_ids[resuming]
+            s.resuming[ids] = False
+            again = (obs[resuming] == s.obs[ids, 0]).reshape(len(ids), -1).all(axis=1)
+            # The observation answered on the stream before, sent again: that answer never reached
+            # the client, and the env has not stepped. The row is open again, for a new answer.
+            s.has_action[ids[again]] = False
         steps = self.config.segment_steps
         done = terminated | truncated
         closing = s.has_action[env_ids]
@@ -363,11 +472,8 @@ class TransitionStore:
         s = handle.session
         if handle.generation != s.generation:
             return
-        if s.actions is None:
-            s.act_shape = tuple(result.actions.shape[1:])
-            s.actions = np.zeros((s.num_envs, self.config.segment_steps + 1, *s.act_shape), np.float32)
         p = s.pos[env_ids]
-        s.actions[env_ids, p] = result.actions
+        s.action_rows(tuple(result.actions.shape[1:]))[env_ids, p] = result.actions
         s.log_probs[env_ids, p] = result.log_probs
         s.values[env_ids, p] = 0.0 if result.values is None else result.values
         s.versions[env_ids, p] = result.policy_version

@@ -41,6 +41,7 @@ class StreamSpec:
     max_inflight: int
     backfill: bool = False
     mid_episode: bool = False
+    resumes: bool = False
 
 
 def check_hello(
@@ -62,7 +63,13 @@ def check_hello(
     if hello.max_inflight > hello.num_envs:
         raise _invalid(f"hello.max_inflight: at most num_envs ({hello.num_envs}), got {hello.max_inflight}")
     return StreamSpec(
-        sid, hello.env_name, hello.num_envs, max(1, hello.max_inflight), hello.backfill, hello.mid_episode
+        sid,
+        hello.env_name,
+        hello.num_envs,
+        max(1, hello.max_inflight),
+        hello.backfill,
+        hello.mid_episode,
+        hello.resumes,
     )
 
 
@@ -88,9 +95,9 @@ def _is_uint32(d: object) -> bool:
 
 def hello_from_settings(text: bytes) -> pb.StreamHello:
     """The StreamHello that a local stream's settings (a ``C`` frame's JSON object) declare:
-    ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name``, ``backfill`` and
-    ``mid_episode`` (optional), with one message in flight per env (as a network process
-    declares). Settings that cannot be read are refused naming the field
+    ``session_id``, ``num_envs`` and ``obs_shape`` (required), ``env_name``, ``backfill``,
+    ``mid_episode`` and ``resumes`` (optional), with one message in flight per env (as a network
+    process declares). Settings that cannot be read are refused naming the field
     (``settings.num_envs: ...``); what they declare is checked as a hello's is, by
     :func:`check_hello`."""
     try:
@@ -113,6 +120,7 @@ def hello_from_settings(text: bytes) -> pb.StreamHello:
         max_inflight=num_envs,
         backfill=_setting(settings, "backfill", bool, "true or false", False),
         mid_episode=_setting(settings, "mid_episode", bool, "true or false", False),
+        resumes=_setting(settings, "resumes", bool, "true or false", False),
     )
 
 

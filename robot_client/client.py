@@ -465,10 +465,13 @@ class EdgeClient:
         timeout_s: float | None = None,
         backfill: bool = False,
         mid_episode: bool = False,
+        resumes: bool = False,
     ) -> ActStream:
-        """Open an Act stream and send its StreamHello (``backfill`` and ``mid_episode``: see
-        ``StreamHello``; a client that reconnects says ``mid_episode``, so that a server which
-        restarted in the meantime does not take its envs' episodes in progress for new ones)."""
+        """Open an Act stream and send its StreamHello (``backfill``, ``mid_episode`` and
+        ``resumes``: see ``StreamHello``; a client that reconnects says ``mid_episode``, so that a
+        server which restarted in the meantime does not take its envs' episodes in progress for new
+        ones, and one that sends its unanswered observations again says ``resumes``, so that a
+        server which lived on loses none of its steps)."""
         call = self._stub.Act(timeout=STREAM_DEADLINE_S, metadata=self._metadata)
         stream = ActStream(call, num_envs, max_inflight, self.timeout_s if timeout_s is None else timeout_s)
         hello = pb.StreamHello(
@@ -479,6 +482,7 @@ class EdgeClient:
             max_inflight=max_inflight,
             backfill=backfill,
             mid_episode=mid_episode,
+            resumes=resumes,
         )
         try:
             async with asyncio.timeout(stream.timeout_s):

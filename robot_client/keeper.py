@@ -66,6 +66,9 @@ class StreamSettings:
     """The envs or robots have stepped before the first stream opens (a network process that
     replaces one): every stream says so (``StreamHello.mid_episode``), as every one after the
     first does anyway."""
+    resumes: bool = False
+    """Each stream resumes where the one before left off (``StreamHello.resumes``): a sim
+    worker's do, sending its groups' unanswered observations again."""
 
     @classmethod
     def of(
@@ -78,6 +81,7 @@ class StreamSettings:
         act_shape: tuple[int, ...] | None = None,
         env_name: str = "",
         backfill: bool = False,
+        resumes: bool = False,
     ) -> StreamSettings:
         """The settings of a stream that a robot host's or a sim worker's config describes."""
         return cls(
@@ -94,6 +98,7 @@ class StreamSettings:
             env_name=env_name,
             act_shape=None if act_shape is None else tuple(act_shape),
             backfill=backfill,
+            resumes=resumes,
         )
 
 
@@ -221,6 +226,7 @@ class StreamKeeper(Generic[Part]):
                         timeout_s=cfg.timeout_s,
                         backfill=cfg.backfill,
                         mid_episode=self._mid_episode or self.epoch > 0,
+                        resumes=cfg.resumes,
                     )
                     self.epoch += 1
                     self._live = asyncio.Queue()

@@ -233,6 +233,7 @@ class SimWorker:
                         max_inflight=cfg.groups,
                         backfill=cfg.backfill,
                         mid_episode=self.progress.steps > 0,
+                        resumes=True,  # every stream starts by sending each group's rows (again)
                     )
                     self._answered = False
                     # Stops promptly even while an answer is pending (e.g. held by backpressure).
@@ -317,6 +318,7 @@ class SimWorker:
             act_shape=self._act_shape,
             env_name=cfg.env_name,
             backfill=cfg.backfill,
+            resumes=True,  # every stream starts by sending each group's rows (again)
         )
 
         def stepped() -> bool:

@@ -71,10 +71,14 @@ class EchoPolicy(PolicyBackend):
         )
 
 
-class SilentLink:
-    """A TCP link to ``127.0.0.1:target_port`` that can go silent: after :meth:`go_silent` it
-    still holds both connections open but delivers nothing either way, as a link that died
-    without a FIN or RST does (a robot's power cut, a cable pulled, Wi-Fi out of range)."""
+class Link:
+    """A TCP link to ``127.0.0.1:target_port`` that can go silent or be cut.
+
+    After :meth:`go_silent` it still holds both connections open but delivers nothing either
+    way, as a link that died without a FIN or RST does (a robot's power cut, a cable pulled,
+    Wi-Fi out of range). :meth:`cut` resets the connections through it, as a network error
+    does; new ones go through.
+    """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
@@ -84,7 +88,7 @@ class SilentLink:
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
 
-    async def __aenter__(self) -> SilentLink:
+    async def __aenter__(self) -> Link:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -101,18 +105,26 @@ class SilentLink:
     def go_silent(self) -> None:
         self.silent = True
 
+    def cut(self) -> None:
+        """Reset both ends of every connection through the link (on its event loop)."""
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers += [writer, up_writer]
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.get_running_loop().create_task(self._pump(src, dst))
             self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        while data := await src.read(65536):
-            if not self.silent:  # silent: read and dropped, so the sender's writes still succeed
-                dst.write(data)
-                await dst.drain()
+        with contextlib.suppress(ConnectionError):  # cut
+            while data := await src.read(65536):
+                if not self.silent:  # silent: read and dropped, so the sender's writes still succeed
+                    dst.write(data)
+                    await dst.drain()
 
 
 @contextlib.asynccontextmanager
@@ -321,6 +333,17 @@ class ServerThread:
 
         self._call(go())
         return self
+
+    @contextlib.contextmanager
+    def link(self) -> Iterator[Link]:
+        """A :class:`Link` to the server's port, on the server's loop, for the block (cut it with
+        ``in_loop(link.cut)``)."""
+        link = Link(self.port)
+        self._call(link.__aenter__())
+        try:
+            yield link
+        finally:
+            self._call(link.__aexit__())
 
     def in_loop(self, fn: object) -> object:
         """Run ``fn()`` on the server's loop thread and return its result."""

@@ -26,6 +26,7 @@ from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.sim_worker import ENDING_GRACE_S, SimWorker, SimWorkerConfig
+from edgerl.trainer.segments import EpisodeTracker, assemble
 from tests.helpers import (
     EchoPolicy,
     ServerThread,
@@ -155,10 +156,11 @@ def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episod
     open_stream = TransitionStore.open_stream
 
     def spy(
-        self: TransitionStore, session_id: str, num_envs: int, *, mid_episode: bool = False
+        self: TransitionStore, session_id: str, num_envs: int, *, mid_episode: bool = False, resumes: bool
     ) -> StreamHandle:
         hellos.append((session_id, mid_episode))
-        return open_stream(self, session_id, num_envs, mid_episode=mid_episode)
+        assert resumes  # as every sim worker's stream does
+        return open_stream(self, session_id, num_envs, mid_episode=mid_episode, resumes=resumes)
 
     monkeypatch.setattr(TransitionStore, "open_stream", spy)
     path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
@@ -198,6 +200,73 @@ def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episod
     assert sorted(first_of_env) == [0, 1, 2, 3]
     for seg in first_of_env.values():
         assert seg.joined_mid_episode and seg.episode >= restarted_us, seg
+
+
+def _follows(seg: pb.Segment) -> tuple[int, int]:
+    """The identity (episode, t) of the row after the segment's last."""
+    episode, t = seg.episode, seg.t
+    for reset in seg.autoreset:
+        episode, t = (episode + 1, 0) if reset else (episode, t + 1)
+    return episode, t
+
+
+@pytest.mark.parametrize("transport", ["stream-on-worker", "network-process", "local-socket"])
+def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_on(
+    transport: str, tmp_path: Path
+) -> None:
+    """The worker's stream breaks four times (its connection reset on the way, or the local socket
+    closed by the server), each time with the groups' messages or answers in flight. Before,
+    the server counted each step it had answered and not seen the reward of as lost, and the
+    trainer cut its episode, though the worker had either stepped with that answer or would send
+    the same observation again. The worker resumes (``StreamHello.resumes``): no step is lost,
+    each env's segments follow one another without a gap, and no episode is cut."""
+    path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
+    learner = TransitionConfig(segment_steps=4)
+    with ServerThread(EchoPolicy(4, 1), learner=learner, local_socket=path) as server, server.link() as link:
+        worker = _worker(
+            "" if path else f"127.0.0.1:{link.port}",
+            num_envs=4,
+            session_id="resumes",
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+            network_process=transport == "network-process",
+            local_socket=path,
+        )
+
+        def cut() -> None:
+            if path:
+                assert server.server is not None and server.server.local is not None
+                for stream in list(server.server.local.streams):
+                    stream.abort()
+            else:
+                link.cut()
+
+        def taken() -> tuple[int, list[pb.Segment]]:
+            assert server.server is not None and server.server.store is not None
+            store = server.server.store
+            store.ack(0, 1 << 30)
+            return store.counters.transitions_dropped_disconnect, store.take_sendable()
+
+        with stepping(worker) as result:
+            for _ in range(4):
+                assert steps_on(worker, 100)
+                server.in_loop(cut)
+            assert steps_on(worker, 100)
+            counted = server.in_loop(taken)
+    assert isinstance(counted, tuple)
+    dropped, segments = counted
+    assert "error" not in result, result
+    assert result["progress"].reconnects >= 4
+    assert dropped == 0
+    last: dict[int, pb.Segment] = {}
+    for seg in segments:
+        if seg.env_id in last:
+            assert (seg.episode, seg.t) == _follows(last[seg.env_id]), (last[seg.env_id], seg)
+        last[seg.env_id] = seg
+    assert sorted(last) == [0, 1, 2, 3]
+    tracker = EpisodeTracker()
+    assemble(segments, None, tracker)
+    assert tracker.cut == 0 and tracker.log.count > 0
 
 
 @pytest.mark.parametrize(

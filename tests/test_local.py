@@ -274,6 +274,12 @@ _CASES = [
         "INVALID_ARGUMENT",
         "settings.mid_episode: must be true or false, got 1",
     ),
+    (
+        "resumes not a bool",
+        _settings(resumes="true"),
+        "INVALID_ARGUMENT",
+        "settings.resumes: must be true or false, got 'true'",
+    ),
     ("obs shape of another env", _settings(obs_shape=[17]), "INVALID_ARGUMENT", "hello.obs_shape"),
     ("no session id", _settings(session_id=""), "INVALID_ARGUMENT", "hello.session_id"),
     (

@@ -36,7 +36,7 @@ from edgerl.trainer.feed import weights_request
 from tests.helpers import (
     FAULT,
     EchoPolicy,
-    SilentLink,
+    Link,
     act_once,
     inject_fault,
     on_session,
@@ -673,7 +673,7 @@ def test_a_stream_whose_link_goes_silent_is_ended_by_keepalive() -> None:
         async with running_server(
             EchoPolicy(OBS, ACT), keepalive_s=keepalive_s, keepalive_timeout_s=1.0
         ) as server:
-            async with SilentLink(server.port) as link, EdgeClient(f"127.0.0.1:{link.port}") as client:
+            async with Link(server.port) as link, EdgeClient(f"127.0.0.1:{link.port}") as client:
                 stream = await _healthy_stream(client, "robot")
                 await _round_trip(stream)
                 await asyncio.sleep(idle_s)  # alive but idle: pings answered, no data

@@ -140,6 +140,76 @@ def test_reconnect_flushes_completed_rows_and_counts_the_open_one() -> None:
     np.testing.assert_array_equal(tensors.decode(seg2.obs)[:, 0], list(range(3, 11)))
 
 
+@pytest.mark.parametrize("ended", ["taken-over", "closed"])
+def test_a_resuming_stream_completes_or_repeats_what_the_stream_before_left_answered(ended: str) -> None:
+    """Both envs' message 2 was answered when the stream ended (taken over by a reconnect, or
+    closed before it). Env 0's answer reached the client, which stepped and sends message 3 on
+    its next stream; env 1's was lost with the stream, and the client sends message 2 again.
+    Before, both rows were counted lost and both episodes went on one step later (cut). A stream
+    that resumes (``StreamHello.resumes``) has env 0's row completed with message 3's reward and
+    env 1's answered again: nothing is lost, and the episodes are logged whole."""
+    store = _store(segment_steps=8)
+    h = store.open_stream("s", 2, resumes=True)
+    for k in range(3):
+        _step(store, h, [0, 1], k, reward=float(k), version=1)
+    segs = []
+    if ended == "closed":
+        store.close_stream(h)
+        segs = _drain(store)
+    h2 = store.open_stream("s", 2, resumes=True)
+    _step(store, h2, [0], 3, reward=3.0, version=2)  # follows the answer of message 2
+    _step(store, h2, [1], 2, reward=2.0, version=2)  # message 2 again: the env did not step
+    for k in range(4, 9):  # env 0's episode ends with message 6, env 1's with message 7
+        _step(store, h2, [0], k, reward=float(k), term=[k == 6], version=2)
+        _step(store, h2, [1], k - 1, reward=float(k - 1), term=[k - 1 == 6], version=2)
+    store.close_stream(h2)
+    segs += _drain(store)
+    assert store.counters.transitions_dropped_disconnect == 0
+    assert store.counters.transitions == 8 + 7  # env 1's message 2 completed one row, not two
+    assert [(seg.env_id, seg.episode, seg.t, len(seg.rewards)) for seg in segs] == [
+        (0, 0, 0, 2),
+        (1, 0, 0, 2),
+        (0, 0, 2, 6),  # contiguous: t = 2 follows the 2 rows before
+        (1, 0, 2, 5),
+    ]
+    rows: dict[int, list[tuple[float, float, int]]] = {0: [], 1: []}
+    for seg in segs:
+        obs = tensors.decode(seg.obs)[:, 0]
+        rows[seg.env_id] += zip(obs.tolist(), seg.rewards, seg.policy_versions, strict=True)
+    # (the observation's message, the reward its action earned (from the next message), version)
+    assert rows[0][:4] == [(0.0, 1.0, 1), (1.0, 2.0, 1), (2.0, 3.0, 1), (3.0, 4.0, 2)]
+    assert rows[1][:4] == [(0.0, 2.0, 1), (1.0, 3.0, 1), (2.0, 4.0, 2), (3.0, 5.0, 2)]  # reward + env
+    tracker = EpisodeTracker()
+    assemble(segs, None, tracker)
+    assert tracker.cut == 0
+    assert sorted(zip(tracker.log.last_returns(10), tracker.log.last_lengths(10), strict=True)) == [
+        (1.0 + 2 + 3 + 4 + 5 + 6, 6),
+        (2.0 + 3 + 4 + 5 + 6 + 7, 6),
+    ]
+
+
+def test_answered_steps_are_lost_where_either_stream_does_not_resume_or_the_session_is_let_go() -> None:
+    clock = _Clock()
+    store = _closed_store(clock, closed_session_keep_s=60.0)
+    h = store.open_stream("s", 1, resumes=True)
+    for k in range(3):
+        _step(store, h, [0], k)
+    h = store.open_stream("s", 1)  # does not resume: row 2 is lost, the episode goes on at t = 3
+    assert store.counters.transitions_dropped_disconnect == 1
+    for k in range(3, 5):
+        _step(store, h, [0], k)
+    h = store.open_stream("s", 1, resumes=True)  # nor did the one before: row 4 is lost
+    assert store.counters.transitions_dropped_disconnect == 2
+    for k in range(5, 8):
+        _step(store, h, [0], k)
+    store.close_stream(h)  # row 7 kept for a stream that resumes: not lost yet
+    assert store.counters.transitions_dropped_disconnect == 2
+    clock.now += 61.0
+    store.open_stream("other", 1)  # the session is let go, and row 7 with it
+    assert store.counters.transitions_dropped_disconnect == 3
+    assert [(seg.t, len(seg.rewards)) for seg in _drain(store)] == [(0, 2), (3, 1), (5, 2)]
+
+
 def test_a_final_observation_answered_and_lost_begins_the_next_episode_at_t_0() -> None:
     """Message 2 (the final observation of episode 0) was answered and the stream ended: the
     client's next observation begins episode 1. It was numbered (0, 3) before, as if episode 0

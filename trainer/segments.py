@@ -183,12 +183,11 @@ class EpisodeTracker:
     """Episode returns and lengths rebuilt from the transitions (raw rewards).
 
     An episode is logged only if every one of its steps arrived: a trainer that joins a server
-    mid-run, a segment the server dropped (``overflow = "drop"``) and a client's reconnect with
-    an action in flight all cut one, and so does a client's return mid-episode to a server that
-    had restarted (or forgotten its session); a cut episode's return and length were once logged
-    as if they were whole. The cut ones are counted in ``cut``. (The server numbers the step in
-    flight as lost, whether or not the client applied its action: a sim worker sends the same
-    observation again; such an episode is counted as cut, though none of it is missing.)
+    mid-run, a segment the server dropped (``overflow = "drop"``) and a reconnect with an answer
+    in flight from a client that does not resume (``StreamHello.resumes``; a sim worker does) all
+    cut one, and so does a client's return mid-episode to a server that had restarted (or
+    forgotten its session); a cut episode's return and length were once logged as if they were
+    whole. The cut ones are counted in ``cut``.
     """
 
     log: EpisodeLog = field(default_factory=EpisodeLog)

@@ -49,7 +49,7 @@ class BoxSpace(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., low: _Optional[_Iterable[float]] = ..., high: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StreamHello(_message.Message):
-    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight", "backfill", "mid_episode")
+    __slots__ = ("session_id", "env_name", "num_envs", "obs_shape", "max_inflight", "backfill", "mid_episode", "resumes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ENV_NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class StreamHello(_message.Message):
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     BACKFILL_FIELD_NUMBER: _ClassVar[int]
     MID_EPISODE_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     env_name: str
     num_envs: int
@@ -64,7 +65,8 @@ class StreamHello(_message.Message):
     max_inflight: int
     backfill: bool
     mid_episode: bool
-    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ..., mid_episode: _Optional[bool] = ...) -> None: ...
+    resumes: bool
+    def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ..., mid_episode: _Optional[bool] = ..., resumes: _Optional[bool] = ...) -> None: ...
 
 class StepObservation(_message.Message):
     __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback")
