@@ -159,6 +159,9 @@ class _Session:
         e = num_envs
         self.acted = np.zeros(e, np.int64)
         """Actions admitted per env since the last publish (the sync-mode quota)."""
+        self.counted = np.zeros(e, bool)
+        """The env's open row's action was admitted since the last publish (sync mode): it is given
+        back to the quota if the row is lost."""
         self.episode = np.full(e, self.first_episode, np.int64)
         self.t = np.zeros(e, np.int64)
         self.hold_rows()
@@ -381,6 +384,18 @@ class TransitionStore:
         e = rows.envs
         s.episode[e] += rows.autoreset
         s.t[e] = np.where(rows.autoreset, 0, s.t[e] + 1)
+        self._unquota(s, e)
+
+    def _unquota(self, s: _Session, envs: np.ndarray) -> None:
+        """Give the envs' open rows' actions back to the sync-mode quota: their rows will not be
+        completed (lost with their stream, or their observation answered again). Each env must
+        still complete one segment's rows per version, or the batch that the trainer waits for
+        never fills: an env whose stream ended with an action admitted and its row open was once
+        held one row short of its segment until a publish that could not come."""
+        if self.config.sync_env_steps:
+            given = envs[s.counted[envs]]
+            s.acted[given] -= 1
+            s.counted[given] = False
 
     def _flush(self, s: _Session) -> _Carried | None:
         """Cut every env's completed rows into a (short) segment and clear the open rows. The
@@ -391,6 +406,7 @@ class TransitionStore:
             self._emit(s, e, p, s.obs[e, p])
         answered = np.flatnonzero(s.has_action)
         rows = _Carried.take(s, answered) if answered.size else None
+        self._unquota(s, np.flatnonzero(s.awaiting))  # sent again, or lost, on the next stream
         s.pos[:] = 0
         s.awaiting[:] = False
         s.has_action[:] = False
@@ -438,6 +454,7 @@ class TransitionStore:
             # The observation answered on the stream before, sent again: that answer never reached
             # the client, and the env has not stepped. The row is open again, for a new answer.
             s.has_action[ids[again]] = False
+            self._unquota(s, ids[again])
         steps = self.config.segment_steps
         done = terminated | truncated
         closing = s.has_action[env_ids]
@@ -449,6 +466,8 @@ class TransitionStore:
             s.truncated[ids, p] = truncated[closing]
             s.fallback[ids, p] = fallback[closing]
             s.has_action[ids] = False
+            if self.config.sync_env_steps:
+                s.counted[ids] = False  # its action stays in the quota
             was_reset = s.autoreset[ids, p]
             s.episode[ids] += was_reset
             s.t[ids] = np.where(was_reset, 0, s.t[ids] + 1)
@@ -523,15 +542,20 @@ class TransitionStore:
         return self._outgoing_steps + self._unacked_steps
 
     def try_admit(self, handle: StreamHandle, env_ids: np.ndarray) -> bool:
-        """Admit a step request for ``env_ids`` now if it may go ahead."""
+        """Admit a step request for ``env_ids`` now if it may go ahead (never one of a stream whose
+        session a newer stream took over: it waits to be cancelled with its stream, charging no
+        env's quota)."""
         s = handle.session
         cfg = self.config
+        if handle.generation != s.generation:
+            return False
         if cfg.overflow == "block" and self.pending_steps >= cfg.max_pending_steps:
             return False
         if cfg.sync_env_steps:
             if (s.acted[env_ids] >= cfg.sync_env_steps).any():
                 return False
             s.acted[env_ids] += 1
+            s.counted[env_ids] = True
         return True
 
     async def admit(self, handle: StreamHandle, env_ids: np.ndarray) -> None:
@@ -551,6 +575,7 @@ class TransitionStore:
         """New weights are served: every env's sync-mode quota starts afresh."""
         for s in self._sessions.values():
             s.acted[:] = 0
+            s.counted[:] = False
         self.counters.weight_publishes += 1
         self._notify()
 

@@ -280,15 +280,17 @@ class SimWorker:
                 task.cancel()
 
     async def _pump(self, stream: ActStream, should_stop: Callable[[], bool]) -> None:
-        groups, progress = self._groups, self.progress
-        for g in groups:
+        groups, progress = self._groups, self.progress  # the oldest message first
+        for g in groups:  # again, in the order they were sent, where a stream broke
             await g.send(stream)
         while not self._done(should_stop):
-            for g in groups:
+            for _ in range(len(groups)):
+                g = groups[0]
                 res = await stream.recv()
                 self._answered = True
                 progress.last_policy_version = res.policy_version
                 g.step(res.actions, progress)
+                groups.append(groups.pop(0))
                 await g.send(stream)
 
     def run_blocking(
@@ -331,6 +333,10 @@ class SimWorker:
         )
         epoch = 0  # of the open stream; 0: none
         sent: deque[_Group] = deque()  # groups awaiting actions, in the order sent
+        # The order a new stream sends the groups' rows in: as they were sent on the stream before
+        # (the oldest first), so that each env's steps keep their order. A group sent out of turn
+        # could be held by the sync-mode quota ahead of another's step that the batch still needs.
+        order = list(groups)
         answered = _Rows()
         failing_since = time.monotonic()  # without a stream since; reset by a stream that answered
         since_up = False  # an answer came on the open stream
@@ -362,9 +368,10 @@ class SimWorker:
                         since_up = True
                 elif kind == frames.UP:
                     epoch = frames.decode_state(payload)
+                    order = list(sent) or order
                     sent.clear()
                     answered = _Rows()
-                    for g in groups:
+                    for g in order:
                         net.send(epoch, g.rows())
                         sent.append(g)
                 elif kind == frames.DOWN:
@@ -373,6 +380,7 @@ class SimWorker:
                         raise error
                     if down == epoch:
                         epoch = 0
+                        order = list(sent) or order
                         sent.clear()
                     if since_up:  # the last stream worked: count the outage from now
                         failing_since, since_up = time.monotonic(), False

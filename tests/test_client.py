@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from tests.helpers import (
     running_server,
     stepping,
     steps_on,
+    wait_until,
     waited,
 )
 
@@ -210,23 +213,22 @@ def _follows(seg: pb.Segment) -> tuple[int, int]:
     return episode, t
 
 
-@pytest.mark.parametrize("transport", ["stream-on-worker", "network-process", "local-socket"])
-def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_on(
-    transport: str, tmp_path: Path
-) -> None:
-    """The worker's stream breaks four times (its connection reset on the way, or the local socket
-    closed by the server), each time with the groups' messages or answers in flight. Before,
-    the server counted each step it had answered and not seen the reward of as lost, and the
-    trainer cut its episode, though the worker had either stepped with that answer or would send
-    the same observation again. The worker resumes (``StreamHello.resumes``): no step is lost,
-    each env's segments follow one another without a gap, and no episode is cut."""
+BREAKS = ["stream-on-worker", "network-process", "local-socket"]
+
+
+@contextlib.contextmanager
+def _breakable(
+    transport: str, tmp_path: Path, learner: TransitionConfig
+) -> Iterator[tuple[ServerThread, SimWorker, Callable[[], None]]]:
+    """A server collecting transitions (``learner``) and a sim worker of 4 envs on ``transport``,
+    with a ``cut()`` that breaks the worker's stream while the server lives on: its connection
+    reset on the way, or its local socket closed by the server."""
     path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
-    learner = TransitionConfig(segment_steps=4)
     with ServerThread(EchoPolicy(4, 1), learner=learner, local_socket=path) as server, server.link() as link:
         worker = _worker(
             "" if path else f"127.0.0.1:{link.port}",
             num_envs=4,
-            session_id="resumes",
+            session_id="breaks",
             backoff_initial_s=0.05,
             backoff_max_s=0.2,
             network_process=transport == "network-process",
@@ -241,16 +243,37 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
             else:
                 link.cut()
 
+        def cut_now() -> None:
+            server.in_loop(cut)
+
+        yield server, worker, cut_now
+
+
+def _store_of(server: ServerThread) -> TransitionStore:
+    assert server.server is not None and server.server.store is not None
+    return server.server.store
+
+
+@pytest.mark.parametrize("transport", BREAKS)
+def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_on(
+    transport: str, tmp_path: Path
+) -> None:
+    """The worker's stream breaks four times, each time with the groups' messages or answers in
+    flight. Before, the server counted each step it had answered and not seen the reward of as
+    lost, and the trainer cut its episode, though the worker had either stepped with that answer
+    or would send the same observation again. The worker resumes (``StreamHello.resumes``): no
+    step is lost, each env's segments follow one another without a gap, and no episode is cut."""
+    with _breakable(transport, tmp_path, TransitionConfig(segment_steps=4)) as (server, worker, cut):
+
         def taken() -> tuple[int, list[pb.Segment]]:
-            assert server.server is not None and server.server.store is not None
-            store = server.server.store
+            store = _store_of(server)
             store.ack(0, 1 << 30)
             return store.counters.transitions_dropped_disconnect, store.take_sendable()
 
         with stepping(worker) as result:
             for _ in range(4):
                 assert steps_on(worker, 100)
-                server.in_loop(cut)
+                cut()
             assert steps_on(worker, 100)
             counted = server.in_loop(taken)
     assert isinstance(counted, tuple)
@@ -267,6 +290,44 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
     tracker = EpisodeTracker()
     assemble(segments, None, tracker)
     assert tracker.cut == 0 and tracker.log.count > 0
+
+
+@pytest.mark.parametrize("transport", ["stream-on-worker", "local-socket"])
+def test_sync_mode_goes_on_through_a_sim_workers_broken_streams(transport: str, tmp_path: Path) -> None:
+    """Sync mode: 4 actions per env per version, and the trainer (played here on the server's
+    loop) publishes once it has every env's 4 rows. The worker's stream breaks five times. Before,
+    a break could stop the run for good: an env's action admitted and its row never completed
+    stayed in its quota, leaving it a row short; and the worker sent its groups again in a fixed
+    order, so one at its quota could wait ahead of the other's step that the batch still needed
+    (the answers come in order). The batch never filled, and nothing was published again."""
+    learner = TransitionConfig(segment_steps=4, sync_env_steps=4)
+    with _breakable(transport, tmp_path, learner) as (server, worker, cut):
+        rows = 0
+
+        def publishes() -> int:
+            nonlocal rows
+            store = _store_of(server)
+            store.ack(0, 1 << 30)
+            rows += sum(len(seg.rewards) for seg in store.take_sendable())
+            while rows >= 4 * 4:
+                rows -= 4 * 4
+                store.published()
+            return store.counters.weight_publishes
+
+        def published() -> int:
+            count = server.in_loop(publishes)
+            assert isinstance(count, int)
+            return count
+
+        def published_to(target: int) -> Callable[[], bool]:
+            return lambda: published() >= target
+
+        with stepping(worker) as result:
+            for _ in range(5):
+                assert wait_until(published_to(published() + 5), timeout_s=20.0, poll_s=0.02)
+                cut()
+    assert "error" not in result, result
+    assert result["progress"].reconnects >= 4
 
 
 @pytest.mark.parametrize(

@@ -247,7 +247,7 @@ def test_a_closed_session_frees_its_rows_and_a_later_stream_goes_on_with_its_epi
         (1, 4, 1),
     ]
     closed = _row_bytes(store)
-    assert closed == 2 * 3 * 8  # per env: its episode, its step in it, its sync quota (int64s)
+    assert closed == 2 * (3 * 8 + 1)  # per env: its episode, its step in it, its sync quota, and a flag
     late = BatchResult(np.ones((2, 1), np.float32), np.zeros(2), None, 0, 0, 0, 2)
     store.record(h, np.array([0, 1]), late)  # a late answer of the closed stream is not recorded
     assert _row_bytes(store) == closed
@@ -461,6 +461,54 @@ def test_sync_quota_is_per_env_so_uneven_streams_fill_one_segment_each() -> None
         assert store.try_admit(fast, fast_ids) and not store.try_admit(fast, fast_ids)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("resumes", [False, True], ids=["does-not-resume", "resumes"])
+@pytest.mark.parametrize("answered", [False, True], ids=["unanswered", "answered"])
+def test_sync_mode_fills_each_envs_segment_though_a_stream_ended_mid_version(
+    resumes: bool, answered: bool
+) -> None:
+    """Sync mode admits ``segment_steps`` actions per env per version, and the trainer waits for
+    that many rows of each env. The stream ended with message 2 admitted (answered or not) and the
+    client, which never got its answer, sends it again on its next stream. Before, message 2's
+    first admission stayed in the quota though its row was never completed: the env was held
+    with 3 of its 4 rows, and the batch never filled (``edgerl train --sync`` held for good)."""
+    store = _store(segment_steps=4, sync_env_steps=4)
+    env = np.array([0])
+
+    def send(h: StreamHandle, k: int, *, answer: bool = True) -> bool:
+        """Message k; whether it was admitted (and answered, with ``answer``)."""
+        z, f = np.zeros(1, np.float32), np.zeros(1, bool)
+        obs = np.full((1, 3), k, np.float32)
+        store.observe(h, env, obs, rewards=z, terminated=f, truncated=f, fallback=f)
+        if not store.try_admit(h, env):
+            return False
+        if answer:
+            store.record(h, env, BatchResult(np.zeros((1, 1), np.float32), z, None, 0, 0, 0, 1))
+        return True
+
+    h = store.open_stream("s", 1, resumes=resumes)
+    assert send(h, 0) and send(h, 1) and send(h, 2, answer=answered)
+    h = store.open_stream("s", 1, resumes=resumes)
+    k = 2
+    while send(h, k):
+        k += 1
+    assert store.counters.transitions == 4  # the env's segment of this version is full
+    assert store.counters.transitions_dropped_disconnect == int(answered and not resumes)
+    store.published()
+    assert store.try_admit(h, env)  # the held message goes ahead with the next version
+
+
+def test_a_taken_over_streams_waiting_request_is_never_admitted() -> None:
+    """A request of a stream that waited for its admission (backpressure, or the sync quota) while
+    a newer stream took its session over: admitted, it charged the env's quota for a step that
+    would never be answered."""
+    store = _store(segment_steps=2, sync_env_steps=2)
+    old = store.open_stream("s", 1)
+    new = store.open_stream("s", 1)
+    assert not store.try_admit(old, np.array([0]))
+    assert store.try_admit(new, np.array([0])) and store.try_admit(new, np.array([0]))
+    assert not store.try_admit(new, np.array([0]))
 
 
 BAD_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
