@@ -66,6 +66,20 @@ def _worker(server: str, **fields: Any) -> SimWorker:
     return SimWorker(SimWorkerConfig(server=server, **fields))
 
 
+def _worker_on(transport: str, address: str, path: str, session_id: str) -> SimWorker:
+    """A sim worker of 4 envs on ``transport``: its stream its own or a network process's (both to
+    ``address``), or on the local socket at ``path``; quick to reconnect."""
+    return _worker(
+        "" if path else address,
+        num_envs=4,
+        session_id=session_id,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+        network_process=transport == "network-process",
+        local_socket=path,
+    )
+
+
 @pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
 def test_sim_worker_runs_real_envs_through_the_server(network_process: bool) -> None:
     async def main() -> None:
@@ -169,15 +183,7 @@ def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episod
     path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
     learner = TransitionConfig(segment_steps=4)
     with ServerThread(EchoPolicy(4, 1), learner=learner, local_socket=path) as server:
-        worker = _worker(
-            "" if path else server.address,
-            num_envs=4,
-            session_id="mid",
-            backoff_initial_s=0.05,
-            backoff_max_s=0.2,
-            network_process=transport == "network-process",
-            local_socket=path,
-        )
+        worker = _worker_on(transport, server.address, path, "mid")
         with stepping(worker) as result:
             assert steps_on(worker, 100)
             server.kill()
@@ -225,15 +231,7 @@ def _breakable(
     reset on the way, or its local socket closed by the server."""
     path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
     with ServerThread(EchoPolicy(4, 1), learner=learner, local_socket=path) as server, server.link() as link:
-        worker = _worker(
-            "" if path else f"127.0.0.1:{link.port}",
-            num_envs=4,
-            session_id="breaks",
-            backoff_initial_s=0.05,
-            backoff_max_s=0.2,
-            network_process=transport == "network-process",
-            local_socket=path,
-        )
+        worker = _worker_on(transport, f"127.0.0.1:{link.port}", path, "breaks")
 
         def cut() -> None:
             if path:
