@@ -8,7 +8,7 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
 
 - ``C`` (client first): the stream's settings, a JSON object. The local Act
   socket reads ``session_id``, ``num_envs``, ``obs_shape``, ``env_name``,
-  ``backfill`` and ``mid_episode``.
+  ``backfill``, ``mid_episode`` and ``resumes``.
 - ``O`` (client): ``epoch, rows, obs_size`` (``u32``), then the rows' env ids
   (``i32``), observations (``f32``), rewards (``f32``) and terminated /
   truncated / fallback flags (``u8`` each, row by row).

@@ -280,8 +280,10 @@ class SimWorker:
                 task.cancel()
 
     async def _pump(self, stream: ActStream, should_stop: Callable[[], bool]) -> None:
-        groups, progress = self._groups, self.progress  # the oldest message first
-        for g in groups:  # again, in the order they were sent, where a stream broke
+        # The groups are kept in the order of their messages, the oldest first: a new stream sends
+        # their rows (again) in the order they were sent on the one before (see run_blocking).
+        groups, progress = self._groups, self.progress
+        for g in groups:
             await g.send(stream)
         while not self._done(should_stop):
             for _ in range(len(groups)):
