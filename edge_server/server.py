@@ -151,6 +151,7 @@ class EdgeServer:
             max_queue_rows=cfg.max_queue_rows,
             max_message_bytes=cfg.max_message_bytes,
             max_envs_per_stream=cfg.max_envs_per_stream,
+            sync_env_steps=cfg.learner.sync_env_steps if cfg.learner else 0,
         )
         self.store = TransitionStore(cfg.learner, backend.obs_shape) if cfg.learner else None
         self.learner = (

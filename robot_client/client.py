@@ -74,6 +74,8 @@ class ServerInfo:
     server_version: str
     action_chunk: int
     """Actions per observation (K of ``[n, K, *act_shape]`` answers); 1 for a plain policy."""
+    sync_env_steps: int = 0
+    """Synchronous mode's actions per env per version (``ServerLimits.sync_env_steps``); 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +409,7 @@ class EdgeClient:
             max_envs_per_stream=lim.max_envs_per_stream,
             server_version=r.server_version,
             action_chunk=max(1, r.action_chunk),
+            sync_env_steps=lim.sync_env_steps,
         )
 
     async def describe_for(

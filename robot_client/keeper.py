@@ -214,7 +214,7 @@ class StreamKeeper(Generic[Part]):
                 stream: ActStream | None = None
                 try:
                     # A unary call first: auth and shape errors come back with their own status.
-                    await client.describe_for(
+                    info = await client.describe_for(
                         cfg.obs_shape, cfg.env_name, act_shape=cfg.act_shape, owner="the robot host"
                     )
                     stream = await client.open_stream(
@@ -232,7 +232,7 @@ class StreamKeeper(Generic[Part]):
                     self._live = asyncio.Queue()
                     self.on_up(self.epoch)
                     backoff = cfg.backoff_initial_s
-                    await self._serve(stream, self._live)
+                    await self._serve(stream, self._live, join=not info.sync_env_steps)
                 except errors.EdgeRLError as exc:
                     self._live = None
                     if self.stopping.is_set():
@@ -249,10 +249,10 @@ class StreamKeeper(Generic[Part]):
                         await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
                     backoff = min(2 * backoff, cfg.backoff_max_s)
 
-    async def _serve(self, stream: ActStream, live: asyncio.Queue[Part]) -> None:
+    async def _serve(self, stream: ActStream, live: asyncio.Queue[Part], *, join: bool) -> None:
         pending: deque[int] = deque()
         sent = asyncio.Event()
-        sender = asyncio.ensure_future(self._send_loop(stream, live, pending, sent))
+        sender = asyncio.ensure_future(self._send_loop(stream, live, pending, sent, join))
         stop_wait = asyncio.ensure_future(self.stopping.wait())
         try:
             while not self.stopping.is_set():
@@ -273,12 +273,20 @@ class StreamKeeper(Generic[Part]):
             stop_wait.cancel()
 
     async def _send_loop(
-        self, stream: ActStream, live: asyncio.Queue[Part], pending: deque[int], sent: asyncio.Event
+        self,
+        stream: ActStream,
+        live: asyncio.Queue[Part],
+        pending: deque[int],
+        sent: asyncio.Event,
+        join: bool,
     ) -> None:
-        """Send what was offered, all parts offered meanwhile in one message."""
+        """Send what was offered: with ``join``, all parts offered meanwhile in one message; else
+        each part in one of its own (a server in synchronous mode, ``ServerLimits.sync_env_steps``,
+        holds a message whole while any of its envs is at its quota: joined, a sim worker's group
+        at its quota held the other's step that the batch still needed, and the run stopped)."""
         while True:
             parts = [await live.get()]
-            while not live.empty():
+            while join and not live.empty():
                 parts.append(live.get_nowait())
             rows = self.combine(parts)
             n = len(rows.env_ids)

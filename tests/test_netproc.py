@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -14,14 +15,16 @@ import time
 import numpy as np
 import pytest
 
+from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.proto import frames
-from edgerl.robot_client import netproc
-from edgerl.robot_client.keeper import StreamSettings, concat_rows
+from edgerl.robot_client import errors, netproc
+from edgerl.robot_client.client import Actions, EdgeClient
+from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
 from edgerl.robot_client.netproc import HUNG_AFTER_S, RESTART_DELAY_S
 from edgerl.robot_client.runner import RobotHost, RobotRunnerConfig, _ProcessOutbox, _Request
 from edgerl.watchdog.sched import thread_ids
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
-from tests.helpers import EchoPolicy, ServerThread, Spawned, first_spawn_runs_on, wait_until
+from tests.helpers import EchoPolicy, ServerThread, Spawned, first_spawn_runs_on, running_server, wait_until
 from tests.test_robot import CounterRobot
 
 
@@ -538,6 +541,44 @@ def test_bench_keeps_cpus_for_the_control_threads() -> None:
     for bad in ("x", str(cpus[-1] + 1), f"{cpus[0]},{cpus[0]}"):
         with pytest.raises(ValueError, match="control_cpu"):
             BenchRobotConfig(control_cpu=bad, processes=1 if "," not in bad else 2, robots=2)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async-server", "sync-server"])
+def test_parts_offered_meanwhile_go_out_apart_to_a_server_in_synchronous_mode(sync: bool) -> None:
+    """A network process joins the parts offered while it sends into one message. A server in
+    synchronous mode (``ServerLimits.sync_env_steps``) holds a message whole while any of its envs
+    is at its quota: a sim worker's group at its quota, joined with the other group's step that
+    the batch still needed, stopped the run. Such a server gets each part in a message of its own."""
+    learner = TransitionConfig(segment_steps=4, sync_env_steps=4 if sync else 0)
+    answered: list[list[int]] = []
+    failures: list[errors.EdgeRLError] = []
+
+    async def main() -> int:
+        async with running_server(EchoPolicy(4, 1), learner=learner) as server:
+            address = f"127.0.0.1:{server.port}"
+            settings = StreamSettings(address, "keeper", 2, (4,), 5.0, 0.05, 0.2)
+
+            def up(epoch: int) -> None:  # both parts before the keeper sends anything
+                for env in (0, 1):
+                    rows = frames.ObsRows(
+                        np.array([env], np.int32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32),
+                        np.zeros((1, 3), np.uint8),
+                    )  # fmt: skip
+                    keeper.offer(epoch, rows)
+
+            def answer(epoch: int, actions: Actions) -> None:
+                answered.append(actions.env_ids)
+                if sum(map(len, answered)) == 2:
+                    keeper.stopping.set()
+
+            keeper = StreamKeeper(settings, concat_rows, up, lambda _, exc: failures.append(exc), answer)
+            await asyncio.wait_for(keeper.run(), 30)
+            async with EdgeClient(address) as client:
+                return (await client.describe()).sync_env_steps
+
+    assert asyncio.run(main()) == (4 if sync else 0)
+    assert not failures
+    assert answered == ([[0], [1]] if sync else [[0, 1]])
 
 
 def test_parts_offered_together_go_out_as_one_message_in_order() -> None:

@@ -125,18 +125,20 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream")
+    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream", "sync_env_steps")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENVS_PER_STREAM_FIELD_NUMBER: _ClassVar[int]
+    SYNC_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_delay_us: int
     max_queue_rows: int
     max_message_bytes: int
     max_envs_per_stream: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ...) -> None: ...
+    sync_env_steps: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ..., sync_env_steps: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("observation_space", "action_space", "policy_version", "limits", "backend", "env_name", "server_version", "action_chunk")
