@@ -159,6 +159,8 @@ class _Session:
         e = num_envs
         self.acted = np.zeros(e, np.int64)
         """Actions admitted per env since the last publish (the sync-mode quota)."""
+        self.completed = np.zeros(e, np.int64)
+        """Rows completed per env since the last publish (sync mode)."""
         self.counted = np.zeros(e, bool)
         """The env's open row's action was admitted since the last publish (sync mode): it is given
         back to the quota if the row is lost."""
@@ -474,8 +476,14 @@ class TransitionStore:
             s.pos[ids] = p + 1
             self.counters.transitions += len(ids)
             full = p + 1 == steps
+            if self.config.sync_env_steps:
+                # A version's rows go out when the env's quota of them is complete, even where a
+                # break of the stream cut the segment short before: left in the buffer, they were
+                # rows the trainer's batch waited for in vain.
+                s.completed[ids] += 1
+                full |= s.completed[ids] == self.config.sync_env_steps
             for row, e in zip(np.flatnonzero(closing)[full].tolist(), ids[full].tolist(), strict=True):
-                self._emit(s, e, steps, obs[row])
+                self._emit(s, e, int(s.pos[e]), obs[row])
                 s.pos[e] = 0
         p = s.pos[env_ids]
         start = p == 0
@@ -575,6 +583,7 @@ class TransitionStore:
         """New weights are served: every env's sync-mode quota starts afresh."""
         for s in self._sessions.values():
             s.acted[:] = 0
+            s.completed[:] = 0
             s.counted[:] = False
         self.counters.weight_publishes += 1
         self._notify()

@@ -247,7 +247,7 @@ def test_a_closed_session_frees_its_rows_and_a_later_stream_goes_on_with_its_epi
         (1, 4, 1),
     ]
     closed = _row_bytes(store)
-    assert closed == 2 * (3 * 8 + 1)  # per env: its episode, its step in it, its sync quota, and a flag
+    assert closed == 2 * (4 * 8 + 1)  # per env: its episode, its step, its sync quota's counts, a flag
     late = BatchResult(np.ones((2, 1), np.float32), np.zeros(2), None, 0, 0, 0, 2)
     store.record(h, np.array([0, 1]), late)  # a late answer of the closed stream is not recorded
     assert _row_bytes(store) == closed
@@ -472,7 +472,9 @@ def test_sync_mode_fills_each_envs_segment_though_a_stream_ended_mid_version(
     that many rows of each env. The stream ended with message 2 admitted (answered or not) and the
     client, which never got its answer, sends it again on its next stream. Before, message 2's
     first admission stayed in the quota though its row was never completed: the env was held
-    with 3 of its 4 rows, and the batch never filled (``edgerl train --sync`` held for good)."""
+    with 3 of its 4 rows, and the batch never filled. And the version's last rows, in a segment
+    that the break had begun short, stayed in the server's buffer until the segment filled,
+    which the quota kept it from doing."""
     store = _store(segment_steps=4, sync_env_steps=4)
     env = np.array([0])
 
@@ -494,6 +496,7 @@ def test_sync_mode_fills_each_envs_segment_though_a_stream_ended_mid_version(
     while send(h, k):
         k += 1
     assert store.counters.transitions == 4  # the env's segment of this version is full
+    assert [len(seg.rewards) for seg in _drain(store)] == [2, 2]  # and all of it reaches the trainer
     assert store.counters.transitions_dropped_disconnect == int(answered and not resumes)
     store.published()
     assert store.try_admit(h, env)  # the held message goes ahead with the next version
