@@ -255,8 +255,7 @@ class _Carried:
         s.log_probs[e, 0] = self.log_probs
         s.values[e, 0] = self.values
         s.versions[e, 0] = self.versions
-        s.autoreset[e, 0] = self.autoreset
-        s.pos[e] = 0
+        s.autoreset[e, 0] = self.autoreset  # row 0: every env's pos is 0 after a flush or a hold
         s.has_action[e] = True
         s.resuming[e] = True
         s.seg_episode[e] = s.episode[e]
@@ -468,8 +467,6 @@ class TransitionStore:
             s.truncated[ids, p] = truncated[closing]
             s.fallback[ids, p] = fallback[closing]
             s.has_action[ids] = False
-            if self.config.sync_env_steps:
-                s.counted[ids] = False  # its action stays in the quota
             was_reset = s.autoreset[ids, p]
             s.episode[ids] += was_reset
             s.t[ids] = np.where(was_reset, 0, s.t[ids] + 1)
@@ -477,6 +474,7 @@ class TransitionStore:
             self.counters.transitions += len(ids)
             full = p + 1 == steps
             if self.config.sync_env_steps:
+                s.counted[ids] = False  # its action stays in the quota
                 # A version's rows go out when the env's quota of them is complete, even where a
                 # break of the stream cut the segment short before: left in the buffer, they were
                 # rows the trainer's batch waited for in vain.
@@ -500,7 +498,7 @@ class TransitionStore:
         if handle.generation != s.generation:
             return
         p = s.pos[env_ids]
-        s.action_rows(tuple(result.actions.shape[1:]))[env_ids, p] = result.actions
+        s.action_rows(result.actions.shape[1:])[env_ids, p] = result.actions
         s.log_probs[env_ids, p] = result.log_probs
         s.values[env_ids, p] = 0.0 if result.values is None else result.values
         s.versions[env_ids, p] = result.policy_version

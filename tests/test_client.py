@@ -66,6 +66,19 @@ def _worker(server: str, **fields: Any) -> SimWorker:
     return SimWorker(SimWorkerConfig(server=server, **fields))
 
 
+def _store_of(server: ServerThread) -> TransitionStore:
+    assert server.server is not None and server.server.store is not None
+    return server.server.store
+
+
+def _segments_taken(server: ServerThread) -> list[pb.Segment]:
+    """The segments the server holds for a trainer, taken as one with an unbounded window takes
+    them (call it on the server's loop)."""
+    store = _store_of(server)
+    store.ack(0, 1 << 30)
+    return store.take_sendable()
+
+
 def _worker_on(transport: str, address: str, path: str, session_id: str) -> SimWorker:
     """A sim worker of 4 envs on ``transport``: its stream its own or a network process's (both to
     ``address``), or on the local socket at ``path``; quick to reconnect."""
@@ -192,13 +205,7 @@ def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episod
             server.restart()
             assert steps_on(worker, 100)
 
-            def first_segments() -> list[pb.Segment]:
-                assert server.server is not None and server.server.store is not None
-                store = server.server.store
-                store.ack(0, 1 << 30)
-                return store.take_sendable()
-
-            segments = server.in_loop(first_segments)
+            segments = server.in_loop(lambda: _segments_taken(server))
     assert "error" not in result, result
     assert hellos[0] == ("mid", False) and len(hellos) >= 2, hellos  # its envs had just been reset
     assert all(mid for _, mid in hellos[1:]), hellos
@@ -247,11 +254,6 @@ def _breakable(
         yield server, worker, cut_now
 
 
-def _store_of(server: ServerThread) -> TransitionStore:
-    assert server.server is not None and server.server.store is not None
-    return server.server.store
-
-
 @pytest.mark.parametrize("transport", BREAKS)
 def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_on(
     transport: str, tmp_path: Path
@@ -264,9 +266,7 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
     with _breakable(transport, tmp_path, TransitionConfig(segment_steps=4)) as (server, worker, cut):
 
         def taken() -> tuple[int, list[pb.Segment]]:
-            store = _store_of(server)
-            store.ack(0, 1 << 30)
-            return store.counters.transitions_dropped_disconnect, store.take_sendable()
+            return _store_of(server).counters.transitions_dropped_disconnect, _segments_taken(server)
 
         with stepping(worker) as result:
             for _ in range(4):
@@ -306,8 +306,7 @@ def test_sync_mode_goes_on_through_a_sim_workers_broken_streams(transport: str, 
         def publishes() -> int:
             nonlocal rows
             store = _store_of(server)
-            store.ack(0, 1 << 30)
-            rows += sum(len(seg.rewards) for seg in store.take_sendable())
+            rows += sum(len(seg.rewards) for seg in _segments_taken(server))
             while rows >= 4 * 4:
                 rows -= 4 * 4
                 store.published()
