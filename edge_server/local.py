@@ -222,6 +222,7 @@ class _LocalStream(asyncio.Protocol):
                 terminated=flags[:, 0],
                 truncated=flags[:, 1],
                 fallback=flags[:, 2],
+                obs_index=rows.obs_index.view(np.int64),
             )
         self._pending.append(_Pending(epoch, future, ids))
         future.add_done_callback(self._answer_ready)

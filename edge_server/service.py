@@ -374,6 +374,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         terminated=np.asarray(step.terminated, bool),
                         truncated=np.asarray(step.truncated, bool),
                         fallback=np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool),
+                        obs_index=np.asarray(step.obs_index, np.int64) if step.obs_index else None,
                     )
                 else:
                     future = self.batcher.submit(obs, slots)
@@ -414,6 +415,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         terminated: np.ndarray,
         truncated: np.ndarray,
         fallback: np.ndarray,
+        obs_index: np.ndarray | None = None,
     ) -> asyncio.Future[BatchResult]:
         """Hand a stream's validated step to the transition store and the batcher (a server that
         collects transitions; without, a step goes to the batcher alone).
@@ -423,7 +425,14 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         store = self.store
         assert store is not None  # the handle is the store's
         store.observe(
-            handle, ids, obs, rewards=rewards, terminated=terminated, truncated=truncated, fallback=fallback
+            handle,
+            ids,
+            obs,
+            rewards=rewards,
+            terminated=terminated,
+            truncated=truncated,
+            fallback=fallback,
+            obs_index=obs_index,
         )
         if store.try_admit(handle, ids) or slots is None:
             return self.batcher.submit(obs, slots)

@@ -20,10 +20,15 @@ contiguous:
 A stream that ends has its envs' completed rows cut into (short) segments.
 A row that was answered and waits for its reward is lost with it (counted)
 unless the client resumes (``StreamHello.resumes``): then the env's first
-message on its next stream completes the row, or repeats its observation
-(the answer never reached the client, and the env did not step) and has it
-answered again. A sim worker's reconnect to a server that lives on loses no
-step that way.
+message on its next stream completes the row, or sends the request answered
+there again (its answer never reached the client), which is answered anew in
+its place: a sim env's observation repeated, a robot's observed anew. Where
+the client numbers its requests (``StepObservation.obs_index``), the numbers
+say which of the two the message is, and a number past the next says that
+requests between were lost and not sent again: the row is then lost, as
+without resuming, not completed with a later step's reward. Without them the
+observations are compared. A sim worker's or a robot host's reconnect to a
+server that lives on loses no step that way.
 
 Segments wait in a bounded outgoing buffer until the trainer acknowledges
 them. The trainer pulls with a window (admission control); when the buffer
@@ -190,6 +195,8 @@ class _Session:
         self.resuming: np.ndarray = np.zeros(e, bool)
         """Row 0 holds an answered row of the stream before, which the env's first message on this
         stream (a resuming one) either completes or repeats."""
+        self.index: np.ndarray = np.full(e, -1, np.int64)
+        """The client's index of row ``pos``'s observation (``StepObservation.obs_index``); -1: none."""
         self.seg_episode: np.ndarray = np.zeros(e, np.int64)
         self.seg_t: np.ndarray = np.zeros(e, np.int64)
 
@@ -207,7 +214,8 @@ class _Session:
         none = _NO_ROWS
         self.obs = self.log_probs = self.values = self.versions = self.rewards = none
         self.terminated = self.truncated = self.fallback = self.autoreset = none
-        self.pos = self.awaiting = self.has_action = self.resuming = self.seg_episode = self.seg_t = none
+        self.pos = self.awaiting = self.has_action = self.resuming = self.index = none
+        self.seg_episode = self.seg_t = none
         self.actions = None
 
     def action_rows(self, act_shape: tuple[int, ...]) -> np.ndarray:
@@ -229,6 +237,7 @@ class _Carried:
     values: np.ndarray
     versions: np.ndarray
     autoreset: np.ndarray
+    index: np.ndarray
 
     @classmethod
     def take(cls, s: _Session, envs: np.ndarray) -> _Carried:
@@ -243,6 +252,7 @@ class _Carried:
             s.values[envs, p],
             s.versions[envs, p],
             s.autoreset[envs, p],
+            s.index[envs],
         )
 
     def put(self, s: _Session) -> None:
@@ -256,6 +266,7 @@ class _Carried:
         s.values[e, 0] = self.values
         s.versions[e, 0] = self.versions
         s.autoreset[e, 0] = self.autoreset  # row 0: every env's pos is 0 after a flush or a hold
+        s.index[e] = self.index
         s.has_action[e] = True
         s.resuming[e] = True
         s.seg_episode[e] = s.episode[e]
@@ -337,7 +348,7 @@ class TransitionStore:
                 if resumes:
                     s.carried.put(s)
                 else:
-                    self._lose(s, s.carried)
+                    self._lose(s, s.carried.envs, s.carried.autoreset)
                 s.carried = None
         s.resumes = resumes
         s.generation += 1
@@ -375,17 +386,17 @@ class TransitionStore:
         if s.rows_held:
             s.carried = self._flush(s)
         if s.carried is not None:
-            self._lose(s, s.carried)
+            self._lose(s, s.carried.envs, s.carried.autoreset)
             s.carried = None
 
-    def _lose(self, s: _Session, rows: _Carried) -> None:
-        """Answered rows whose rewards never came: counted, and their envs' episodes go on one
-        step later (or, after a final observation, with the next episode)."""
-        self.counters.transitions_dropped_disconnect += len(rows.envs)
-        e = rows.envs
-        s.episode[e] += rows.autoreset
-        s.t[e] = np.where(rows.autoreset, 0, s.t[e] + 1)
-        self._unquota(s, e)
+    def _lose(self, s: _Session, envs: np.ndarray, autoreset: np.ndarray) -> None:
+        """Answered rows of ``envs`` whose rewards never came (``autoreset``: each row's
+        observation began an episode): counted, and their envs' episodes go on one step later (or,
+        after a final observation, with the next episode)."""
+        self.counters.transitions_dropped_disconnect += len(envs)
+        s.episode[envs] += autoreset
+        s.t[envs] = np.where(autoreset, 0, s.t[envs] + 1)
+        self._unquota(s, envs)
 
     def _unquota(self, s: _Session, envs: np.ndarray) -> None:
         """Give the envs' open rows' actions back to the sync-mode quota: their rows will not be
@@ -413,7 +424,7 @@ class TransitionStore:
         s.has_action[:] = False
         s.resuming[:] = False
         if rows is not None and not s.resumes:
-            self._lose(s, rows)
+            self._lose(s, rows.envs, rows.autoreset)
             return None
         return rows
 
@@ -428,8 +439,11 @@ class TransitionStore:
         terminated: np.ndarray,
         truncated: np.ndarray,
         fallback: np.ndarray,
+        obs_index: np.ndarray | None = None,
     ) -> None:
         """A step message arrived: complete the envs' open rows, cut full segments, open new rows.
+        ``obs_index``: the client's index of each observation (``StepObservation.obs_index``), int64;
+        None: not given.
 
         Raises:
             EnvBusyError: an env in ``env_ids`` still waits for its previous action.
@@ -451,9 +465,20 @@ class TransitionStore:
         if resuming.any():  # each env's first message on a resuming stream
             ids = env_ids[resuming]
             s.resuming[ids] = False
+            # The request answered on the stream before, sent again: that answer never reached the
+            # client. The row is open again, for a new answer (to the observation this message has).
             again = (obs[resuming] == s.obs[ids, 0]).reshape(len(ids), -1).all(axis=1)
-            # The observation answered on the stream before, sent again: that answer never reached
-            # the client, and the env has not stepped. The row is open again, for a new answer.
+            if obs_index is not None:  # the indices tell, where both rows have one
+                held, told = s.index[ids], obs_index[resuming]
+                known = held >= 0
+                again = np.where(known, told == held, again)
+                # Neither the same observation nor the next: a message of the stream before never
+                # came (a robot's request lost with it, its reward and flags too). Completing the
+                # row with this one's reward would give it a later step's; it is lost instead.
+                gap = known & ~again & (told != held + 1)
+                if gap.any():
+                    self._lose(s, ids[gap], s.autoreset[ids[gap], 0])
+                    s.has_action[ids[gap]] = False
             s.has_action[ids[again]] = False
             self._unquota(s, ids[again])
         steps = self.config.segment_steps
@@ -490,6 +515,7 @@ class TransitionStore:
             s.seg_t[env_ids[start]] = s.t[env_ids[start]]
         s.obs[env_ids, p] = obs
         s.autoreset[env_ids, p] = done
+        s.index[env_ids] = -1 if obs_index is None else obs_index
         s.awaiting[env_ids] = True
 
     def record(self, handle: StreamHandle, env_ids: np.ndarray, result: BatchResult) -> None:

@@ -16,6 +16,8 @@ from edgerl.proto.frames import ObsRows
 from edgerl.proto.v1 import edge_pb2 as pb
 
 MAX_SESSION_ID_LEN = 128
+MAX_OBS_INDEX = 2**63 - 1
+"""Largest observation index (``StepObservation.obs_index``) the server takes: it holds them as int64."""
 
 
 class InvalidRequestError(Exception):
@@ -171,6 +173,12 @@ def check_step(
             raise _invalid(f"step.{name}: expected {n} values (one per env id), got {len(values)}")
     if step.fallback and len(step.fallback) != n:
         raise _invalid(f"step.fallback: expected 0 or {n} values (one per env id), got {len(step.fallback)}")
+    index = step.obs_index
+    if index:
+        if len(index) != n:
+            raise _invalid(f"step.obs_index: expected 0 or {n} values (one per env id), got {len(index)}")
+        if max(index) > MAX_OBS_INDEX:
+            raise _invalid(f"step.obs_index: indices must be < 2**63, got {max(index)}")
     obs = check_obs(step.obs, "step.obs", obs_shape, n, max_rows)
     # float32 rewards summed as Python floats cannot overflow: the sum is finite iff each is.
     if not math.isfinite(sum(step.rewards)):
@@ -212,4 +220,6 @@ def check_rows(rows: ObsRows, spec: StreamSpec, obs_shape: tuple[int, ...], max_
         raise _invalid("rows.rewards: contains NaN or Inf")
     if rows.flags.max(initial=0) > 1:
         raise _invalid("rows.flags: terminated, truncated and fallback must be 0 or 1")
+    if rows.obs_index.max(initial=0) > MAX_OBS_INDEX:
+        raise _invalid(f"rows.obs_index: indices must be < 2**63, got {rows.obs_index.max()}")
     return obs

@@ -10,8 +10,9 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   socket reads ``session_id``, ``num_envs``, ``obs_shape``, ``env_name``,
   ``backfill``, ``mid_episode`` and ``resumes``.
 - ``O`` (client): ``epoch, rows, obs_size`` (``u32``), then the rows' env ids
-  (``i32``), observations (``f32``), rewards (``f32``) and terminated /
-  truncated / fallback flags (``u8`` each, row by row).
+  (``i32``), observations (``f32``), rewards (``f32``), terminated /
+  truncated / fallback flags (``u8`` each, row by row) and observation
+  indices (``u64``, ``StepObservation.obs_index``).
 - ``U`` / ``D`` (to the client): the stream of ``epoch`` (``u32``) is up /
   failed. A ``D`` frame goes on with the failure, UTF-8: its gRPC status name
   (empty for a failure with none), a newline, the message.
@@ -53,6 +54,8 @@ class ObsRows:
     rewards: np.ndarray
     flags: np.ndarray
     """uint8 ``[rows, 3]``: terminated, truncated, fallback."""
+    obs_index: np.ndarray
+    """uint64 ``[rows]``: each observation's index among its env's (``StepObservation.obs_index``)."""
 
 
 LENGTH = struct.Struct("<I")
@@ -82,6 +85,7 @@ def encode_obs(epoch: int, rows: ObsRows) -> bytes:
                 obs.tobytes(),
                 np.ascontiguousarray(rows.rewards, np.float32).tobytes(),
                 np.ascontiguousarray(rows.flags, np.uint8).tobytes(),
+                np.ascontiguousarray(rows.obs_index, np.uint64).tobytes(),
             )
         )
     )
@@ -98,7 +102,9 @@ def decode_obs(payload: bytes) -> tuple[int, ObsRows]:
     rewards = np.frombuffer(payload, np.float32, rows, at)
     at += 4 * rows
     flags = np.frombuffer(payload, np.uint8, 3 * rows, at).reshape(rows, 3)
-    return epoch, ObsRows(ids, obs, rewards, flags)
+    at += 3 * rows
+    obs_index = np.frombuffer(payload, np.uint64, rows, at)
+    return epoch, ObsRows(ids, obs, rewards, flags, obs_index)
 
 
 def state_payload(kind: bytes, epoch: int) -> bytes:

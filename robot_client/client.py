@@ -166,11 +166,14 @@ class ActStream:
         truncated: np.ndarray | Sequence[bool],
         *,
         fallback: np.ndarray | Sequence[bool] | None = None,
+        obs_index: np.ndarray | Sequence[int] | None = None,
     ) -> int:
         """Send the observations of ``env_ids`` and what their previous actions earned.
 
         ``fallback`` marks envs whose previous applied action was not the policy's
         (e.g. a watchdog fallback); the trainer keeps those steps out of the policy loss.
+        ``obs_index`` numbers each observation among its env's (``StepObservation.obs_index``):
+        a stream that resumes (``open_stream(resumes=True)``) should send them.
 
         Returns:
             The message's sequence number.
@@ -193,6 +196,7 @@ class ActStream:
                 terminated=np.asarray(terminated, dtype=bool).tolist(),
                 truncated=np.asarray(truncated, dtype=bool).tolist(),
                 fallback=[] if fallback is None else np.asarray(fallback, dtype=bool).tolist(),
+                obs_index=[] if obs_index is None else np.asarray(obs_index, dtype=np.uint64).tolist(),
             )
         )
         await self._flush()
@@ -473,8 +477,9 @@ class EdgeClient:
         """Open an Act stream and send its StreamHello (``backfill``, ``mid_episode`` and
         ``resumes``: see ``StreamHello``; a client that reconnects says ``mid_episode``, so that a
         server which restarted in the meantime does not take its envs' episodes in progress for new
-        ones, and one that sends its unanswered observations again says ``resumes``, so that a
-        server which lived on loses none of its steps)."""
+        ones, and one that sends its unanswered requests again says ``resumes``, so that a
+        server which lived on loses none of its steps; it numbers them in :meth:`ActStream.send`'s
+        ``obs_index``)."""
         call = self._stub.Act(timeout=STREAM_DEADLINE_S, metadata=self._metadata)
         stream = ActStream(call, num_envs, max_inflight, self.timeout_s if timeout_s is None else timeout_s)
         hello = pb.StreamHello(

@@ -68,7 +68,8 @@ class StreamSettings:
     first does anyway."""
     resumes: bool = False
     """Each stream resumes where the one before left off (``StreamHello.resumes``): a sim
-    worker's do, sending its groups' unanswered observations again."""
+    worker's and a robot host's do, sending their unanswered requests again, numbered as before
+    (``StepObservation.obs_index``)."""
 
     @classmethod
     def of(
@@ -297,6 +298,7 @@ class StreamKeeper(Generic[Part]):
                 rows.flags[:, 0],
                 rows.flags[:, 1],
                 fallback=rows.flags[:, 2],
+                obs_index=rows.obs_index,
             )
             pending.append(n)
             sent.set()
@@ -306,5 +308,5 @@ def concat_rows(parts: list[ObsRows]) -> ObsRows:
     """The rows of ``parts``, in order, as one."""
     if len(parts) == 1:
         return parts[0]
-    fields = ("env_ids", "obs", "rewards", "flags")
+    fields = ("env_ids", "obs", "rewards", "flags", "obs_index")
     return ObsRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in fields))

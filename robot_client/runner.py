@@ -194,6 +194,9 @@ class _Request:
     terminated: bool
     truncated: bool
     fallback: bool
+    index: int
+    """Its number among the robot's requests (``StepObservation.obs_index``): how many the robot
+    made before it, less those that went unanswered and were sent again (they keep theirs)."""
 
 
 TickHook = Callable[[int, Tick, Reading, bool], None]
@@ -227,6 +230,7 @@ def _obs_rows(batches: list[list[tuple[int, _Request]]]) -> frames.ObsRows:
         np.stack([r.obs for r in reqs]).reshape(len(reqs), -1),
         np.fromiter((r.reward for r in reqs), np.float32, len(reqs)),
         np.array([(r.terminated, r.truncated, r.fallback) for r in reqs], np.uint8),
+        np.fromiter((r.index for r in reqs), np.uint64, len(reqs)),
     )
 
 
@@ -587,10 +591,12 @@ class RobotLink:
         self.on_tick = on_tick
         self.outbox: _Outbox | None = None
         self._outstanding = False
+        self._sent: _Request | None = None  # posted, not yet answered
         self._final: _Request | None = None
         self._reset_next = False
         self._reward = 0.0
         self._terminated = self._truncated = self._fallback = False
+        self._requests_made = 0
         self._rng = random.Random(config.faults.seed * 100_003 + index)
         self.latencies_s = Samples(config.stats_window)
         self.counts = dict.fromkeys(("requests", "answers", "dropped", "episodes"), 0)
@@ -644,7 +650,9 @@ class RobotLink:
             self._terminated,
             self._truncated,
             self._fallback,
+            self._requests_made,
         )
+        self._requests_made += 1
         self._reward = 0.0
         self._terminated = self._truncated = self._fallback = False
         if busy:
@@ -652,6 +660,7 @@ class RobotLink:
             # final reward and flags): it goes out as soon as the answer in flight is in.
             self._final = req
             return
+        self._sent = req
         outbox.post(self.index, req)
 
     def _hold(self, tick: Tick) -> None:
@@ -669,14 +678,27 @@ class RobotLink:
     # -- the stream's side ----------------------------------------------------
 
     def release(self) -> None:
-        """The request in flight is gone (stream failed): a new one may be sent."""
+        """The request in flight is gone, unanswered (the stream failed, or took no more): a new
+        one may be sent. It takes the request's index, and its reward and flags (and those of a
+        final observation queued behind it) go back into the new one: the server completes the
+        step it answered last with it, or, where the lost request reached it and was answered,
+        answers it in that request's place (``StreamHello.resumes``). Nothing the robot earned is
+        lost with a break of the stream."""
+        for req in (self._sent, self._final):
+            if req is not None:
+                self._reward += req.reward
+                self._terminated |= req.terminated
+                self._truncated |= req.truncated
+                self._fallback |= req.fallback
+                self._requests_made = min(self._requests_made, req.index)
         self._outstanding = False
-        self._final = None
+        self._sent = self._final = None
 
     def deliver(self, actions: np.ndarray, version: int, log_prob: float, req: _Request) -> None:
         """The answer to ``req`` arrived: hand it to the watchdog (after injected faults)."""
         final, self._final = self._final, None
         self._outstanding = final is not None
+        self._sent = final
         if final is not None and self.outbox is not None:
             self.outbox.post(self.index, final)
         self.counts["answers"] += 1
@@ -779,6 +801,7 @@ class RobotHost:
             kind.obs_shape,
             act_shape=kind.act_shape,
             env_name=kind.env_name,
+            resumes=True,  # a request unanswered at a break goes again, numbered as before
         )
         self._outbox: _Outbox
         if config.network_process:

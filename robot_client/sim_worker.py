@@ -133,14 +133,19 @@ class _Group:
         self.ep_return = np.zeros(n, np.float64)
         self.ep_length = np.zeros(n, np.int64)
         self.resetting = np.zeros(n, bool)
+        self.obs_index = np.zeros(n, np.uint64)
+        """Each env's observation index (``StepObservation.obs_index``): the group's envs step
+        together, and an observation sent again on a new stream keeps its index."""
 
     async def send(self, stream: ActStream) -> None:
-        await stream.send(self.ids, self.obs, self.rewards, self.terminated, self.truncated)
+        await stream.send(
+            self.ids, self.obs, self.rewards, self.terminated, self.truncated, obs_index=self.obs_index
+        )
 
     def rows(self) -> frames.ObsRows:
         flags = np.zeros((len(self.ids), 3), np.uint8)
         flags[:, 0], flags[:, 1] = self.terminated, self.truncated
-        return frames.ObsRows(self._ids32, self.obs, self.rewards, flags)
+        return frames.ObsRows(self._ids32, self.obs, self.rewards, flags, self.obs_index)
 
     def step(self, actions: np.ndarray, progress: WorkerProgress) -> None:
         """Step the envs on the server's ``actions``, clipped to the envs' action space.
@@ -157,6 +162,7 @@ class _Group:
             )
         actions = np.clip(actions, self.act_low, self.act_high)
         self.obs, self.rewards, self.terminated, self.truncated = self.envs.step(actions)
+        self.obs_index = self.obs_index + 1  # a new array: a frame or message may hold the last one
         # NEXT_STEP autoreset: a reset step is no part of an episode. It reports reward 0, so
         # only its length needs the mask.
         self.ep_return += self.rewards

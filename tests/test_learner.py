@@ -451,7 +451,11 @@ def test_a_version_past_int64_is_refused_and_the_largest_one_reaches_every_side(
                 assert (await read_frame(reader))[:1] == frames.UP
                 obs = np.zeros((2, *env_spec(ENV).obs_shape), np.float32)
                 rows = frames.ObsRows(
-                    np.arange(2, dtype=np.int32), obs, np.ones(2, np.float32), np.zeros((2, 3), np.uint8)
+                    np.arange(2, dtype=np.int32),
+                    obs,
+                    np.ones(2, np.float32),
+                    np.zeros((2, 3), np.uint8),
+                    np.zeros(2, np.uint64),
                 )
                 versions = []
                 for epoch in range(4):  # two segments of two steps per env

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ def _rows(
         obs,
         np.full(n, reward, np.float32),
         np.zeros((n, 3), np.uint8) if flags is None else flags,
+        np.zeros(n, np.uint64),
     )
 
 
@@ -331,6 +333,13 @@ _CASES = [
         _settings() + frames.encode_obs(1, _rows([0], flags=np.array([[2, 0, 0]], np.uint8))),
         "INVALID_ARGUMENT",
         "rows.flags",
+    ),
+    (
+        "obs_index past int64",
+        _settings()
+        + frames.encode_obs(1, dataclasses.replace(_rows([0, 1]), obs_index=np.array([1, 2**63], np.uint64))),
+        "INVALID_ARGUMENT",
+        "rows.obs_index: indices must be < 2**63, got 9223372036854775808",
     ),
     (
         "frame over max_message_bytes",

@@ -34,7 +34,8 @@ def test_observation_frames_round_trip() -> None:
     obs = rng.standard_normal((3, 2, 5)).astype(np.float32)  # any obs shape travels flattened
     rewards = np.array([1.5, -2.0, 0.25], np.float32)
     flags = np.array([(1, 0, 0), (0, 1, 1), (0, 0, 0)], np.uint8)
-    data = frames.encode_obs(9, frames.ObsRows(ids, obs, rewards, flags))
+    index = np.array([2**40 + 1, 0, 5], np.uint64)
+    data = frames.encode_obs(9, frames.ObsRows(ids, obs, rewards, flags, index))
     (payload,) = frames.split_frames(bytearray(data))
     assert payload[:1] == frames.OBS
     epoch, rows = frames.decode_obs(payload)
@@ -43,6 +44,7 @@ def test_observation_frames_round_trip() -> None:
     np.testing.assert_array_equal(rows.obs, obs.reshape(3, 10))
     np.testing.assert_array_equal(rows.rewards, rewards)
     np.testing.assert_array_equal(rows.flags, flags)
+    np.testing.assert_array_equal(rows.obs_index, index)
 
 
 @pytest.mark.parametrize("row_shape", [(6,), (4, 6)])
@@ -224,7 +226,7 @@ def test_a_network_process_lost_on_a_send_leaves_nothing_for_its_replacement_to_
             first.wait()
             link = host.links[0]
             link._outstanding = True  # what posting a request marks
-            request = _Request(0, 0.0, np.zeros(3, np.float32), 0.0, False, False, False)
+            request = _Request(0, 0.0, np.zeros(3, np.float32), 0.0, False, False, False, 0)
             outbox.post(0, request)
             outbox.flush()  # the send finds the socket broken
             assert (outbox.restarts, outbox.connected, len(outbox._rows)) == (1, False, 0)
@@ -562,7 +564,7 @@ def test_parts_offered_meanwhile_go_out_apart_to_a_server_in_synchronous_mode(sy
                 for env in (0, 1):
                     rows = frames.ObsRows(
                         np.array([env], np.int32), np.zeros((1, 4), np.float32), np.zeros(1, np.float32),
-                        np.zeros((1, 3), np.uint8),
+                        np.zeros((1, 3), np.uint8), np.zeros(1, np.uint64),
                     )  # fmt: skip
                     keeper.offer(epoch, rows)
 
@@ -584,11 +586,12 @@ def test_parts_offered_meanwhile_go_out_apart_to_a_server_in_synchronous_mode(sy
 def test_parts_offered_together_go_out_as_one_message_in_order() -> None:
     parts = [
         frames.ObsRows(np.array([i], np.int32), np.full((1, 2), i, np.float32), np.array([i], np.float32),
-                np.array([(i % 2, 0, 1)], np.uint8))
+                np.array([(i % 2, 0, 1)], np.uint8), np.array([10 + i], np.uint64))
         for i in (3, 1, 2)
     ]  # fmt: skip
     rows = concat_rows(parts)
     np.testing.assert_array_equal(rows.env_ids, [3, 1, 2])
     np.testing.assert_array_equal(rows.obs[:, 0], [3, 1, 2])
     np.testing.assert_array_equal(rows.flags[:, 0], [1, 1, 0])
+    np.testing.assert_array_equal(rows.obs_index, [13, 11, 12])
     assert concat_rows(parts[:1]) is parts[0]

@@ -25,6 +25,7 @@ from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
+from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.bags import read_bag
 from edgerl.robot_client.netproc import HUNG_AFTER_S
@@ -283,6 +284,53 @@ def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first
             (s,) = host.stats()
     assert s["ticks"] > 0 and s["fallbacks"] > 0
     assert mid_episode and all(mid_episode), mid_episode
+
+
+@BOTH_STREAMS
+def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_lives_on(
+    network_process: bool,
+) -> None:
+    """The host's stream breaks four times (its connection reset on the way). Before, the server
+    counted each robot's answered step lost at every break and at the stop (10 here), and the
+    trainer cut the robot's episode. The host now resumes (``StreamHello.resumes``): each robot's
+    next request completes the step, or, where the request in flight at the break went
+    unanswered, goes in its place, numbered as it was (``StepObservation.obs_index``) and with
+    all the robot earned since its last answer. Every row's reward is what the robot earned until
+    its next request: one per tick, the count its next observation shows."""
+    robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
+    with ServerThread(EchoPolicy(3, 2), learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
+        host = RobotHost(robots, _config(f"127.0.0.1:{link.port}", network_process=network_process,
+                                         watchdog={"estop_after": 0}))  # fmt: skip
+        with host:
+            for _ in range(4):
+                assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
+                time.sleep(0.3)
+                srv.in_loop(link.cut)
+            assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
+            time.sleep(0.3)
+
+        def taken() -> tuple[int, list[pb.Segment]]:
+            assert srv.server is not None and srv.server.store is not None
+            store = srv.server.store
+            store.ack(0, 1 << 30)
+            return store.counters.transitions_dropped_disconnect, store.take_sendable()
+
+        counted = srv.in_loop(taken)
+    assert isinstance(counted, tuple)
+    dropped, segments = counted
+    assert host.reconnects >= 4
+    assert dropped == 0, dropped
+    gaps, rows = 0, 0
+    last: dict[int, tuple[int, int]] = {}
+    for seg in segments:
+        counts = [*tensors.decode(seg.obs)[:, 0].tolist(), tensors.decode(seg.bootstrap_obs)[0]]
+        assert list(seg.rewards) == np.diff(counts).tolist(), seg  # a reward of 1 per tick
+        if seg.env_id in last:
+            gaps += last[seg.env_id] != (seg.episode, seg.t)
+        last[seg.env_id] = (seg.episode, seg.t + len(seg.rewards))
+        rows += len(seg.rewards)
+    assert sorted(last) == [0, 1] and rows >= 2 * HZ  # a second of each robot's steps, at least
+    assert gaps == dropped  # an episode goes on without a gap but where a step was lost
 
 
 def test_outage_longer_than_n_latches_estop_that_survives_the_servers_return() -> None:

@@ -325,6 +325,16 @@ BAD_CASES = {
         "INVALID_ARGUMENT",
         "step.fallback: expected 0 or 2 values (one per env id), got 1",
     ),
+    "obs_index count": (
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.obs_index.append(7))],
+        "INVALID_ARGUMENT",
+        "step.obs_index: expected 0 or 2 values (one per env id), got 1",
+    ),
+    "obs_index past int64": (  # the server holds them as int64
+        [HELLO, _with(_step(0, [0, 1], GOOD), lambda s: s.obs_index.extend([1, 2**63]))],
+        "INVALID_ARGUMENT",
+        "step.obs_index: indices must be < 2**63, got 9223372036854775808",
+    ),
     "no hello": ([_step(0, [0, 1], GOOD)], "FAILED_PRECONDITION", "must be a StreamHello"),
     "hello twice": ([HELLO, HELLO], "FAILED_PRECONDITION", "hello: sent twice on one stream"),
     "hello no envs": (

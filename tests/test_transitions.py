@@ -42,8 +42,10 @@ def _step(
     trunc: list[bool] | None = None,
     fallback: list[bool] | None = None,
     version: int = 0,
+    index: int | None = None,
 ) -> None:
-    """Message k: obs rows are [k, env, 0], rewards reward+env; then the server answers."""
+    """Message k: obs rows are [k, env, 0], rewards reward+env, each numbered ``index`` where given
+    (``StepObservation.obs_index``); then the server answers."""
     n = len(ids)
     env_ids = np.array(ids)
     obs = np.array([[k, e, 0] for e in ids], np.float32)
@@ -55,6 +57,7 @@ def _step(
         terminated=np.array(term or [False] * n),
         truncated=np.array(trunc or [False] * n),
         fallback=np.array(fallback or [False] * n),
+        obs_index=None if index is None else np.full(n, index, np.int64),
     )
     actions = np.array([[k * 10 + e] for e in ids], np.float32)
     store.record(h, env_ids, BatchResult(actions, -actions[:, 0], actions[:, 0] / 2, version, 0, 0, n))
@@ -186,6 +189,43 @@ def test_a_resuming_stream_completes_or_repeats_what_the_stream_before_left_answ
         (1.0 + 2 + 3 + 4 + 5 + 6, 6),
         (2.0 + 3 + 4 + 5 + 6 + 7, 6),
     ]
+
+
+@pytest.mark.parametrize("ended", ["taken-over", "closed"])
+def test_obs_indices_tell_a_resuming_streams_repeat_from_a_step_that_follows_or_one_after_a_gap(
+    ended: str,
+) -> None:
+    """Message 2 of three envs, numbered 2 (``StepObservation.obs_index``), was answered when the
+    stream ended. On the next stream, env 0 sends index 3, an observation equal to message 2's (a
+    robot at rest): comparing observations took it for message 2 again, dropped its reward and
+    flags, and answered a step the robot had already taken. Env 1 sends message 2 again, index 2.
+    Env 2's index 3 was lost with the stream (a robot's request in flight), so its next is index
+    4: comparing observations completed row 2 with message 4's reward, the reward of a step later.
+    Now env 0's row is completed, env 1's answered anew, and env 2's counted lost."""
+    store = _store(segment_steps=8)
+    h = store.open_stream("s", 3, resumes=True)
+    for k in range(3):
+        _step(store, h, [0, 1, 2], k, reward=float(k), index=k)
+    if ended == "closed":
+        store.close_stream(h)
+    h2 = store.open_stream("s", 3, resumes=True)
+    _step(store, h2, [0], 2, reward=3.0, index=3)  # at rest: message 2's observation
+    _step(store, h2, [1], 2, reward=2.0, index=2)  # message 2 again
+    _step(store, h2, [2], 4, reward=4.0, index=4)  # message 3 never came
+    assert store.counters.transitions_dropped_disconnect == 1
+    for k in range(5, 7):
+        _step(store, h2, [0, 1, 2], k, reward=float(k), index=k - 1)
+    store.close_stream(h2)
+    rows: dict[int, list[tuple[int, int, float, float]]] = {0: [], 1: [], 2: []}
+    for seg in _drain(store):
+        obs = tensors.decode(seg.obs)[:, 0]
+        t = range(seg.t, seg.t + len(obs))
+        rows[seg.env_id] += zip(t, obs.tolist(), seg.rewards, tensors.decode(seg.actions)[:, 0], strict=True)
+    # (t, the observation's message, the reward its action earned (from the next message), action)
+    assert rows[0] == [(0, 0, 1, 0), (1, 1, 2, 10), (2, 2, 3, 20), (3, 2, 5, 20), (4, 5, 6, 50)]
+    assert rows[1] == [(0, 0, 2, 1), (1, 1, 3, 11), (2, 2, 6, 21), (3, 5, 7, 51)]
+    assert rows[2] == [(0, 0, 3, 2), (1, 1, 4, 12), (3, 4, 7, 42), (4, 5, 8, 52)]  # t 2 lost
+    assert store.counters.transitions == 5 + 4 + 4
 
 
 def test_answered_steps_are_lost_where_either_stream_does_not_resume_or_the_session_is_let_go() -> None:

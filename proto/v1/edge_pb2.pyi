@@ -69,7 +69,7 @@ class StreamHello(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., env_name: _Optional[str] = ..., num_envs: _Optional[int] = ..., obs_shape: _Optional[_Iterable[int]] = ..., max_inflight: _Optional[int] = ..., backfill: _Optional[bool] = ..., mid_episode: _Optional[bool] = ..., resumes: _Optional[bool] = ...) -> None: ...
 
 class StepObservation(_message.Message):
-    __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback")
+    __slots__ = ("seq", "env_ids", "obs", "rewards", "terminated", "truncated", "fallback", "obs_index")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENV_IDS_FIELD_NUMBER: _ClassVar[int]
     OBS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class StepObservation(_message.Message):
     TERMINATED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    OBS_INDEX_FIELD_NUMBER: _ClassVar[int]
     seq: int
     env_ids: _containers.RepeatedScalarFieldContainer[int]
     obs: Tensor
@@ -84,7 +85,8 @@ class StepObservation(_message.Message):
     terminated: _containers.RepeatedScalarFieldContainer[bool]
     truncated: _containers.RepeatedScalarFieldContainer[bool]
     fallback: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, seq: _Optional[int] = ..., env_ids: _Optional[_Iterable[int]] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ...) -> None: ...
+    obs_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., env_ids: _Optional[_Iterable[int]] = ..., obs: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Iterable[float]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., fallback: _Optional[_Iterable[bool]] = ..., obs_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ActRequest(_message.Message):
     __slots__ = ("hello", "step")
