@@ -374,7 +374,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         terminated=np.asarray(step.terminated, bool),
                         truncated=np.asarray(step.truncated, bool),
                         fallback=np.asarray(step.fallback, bool) if step.fallback else np.zeros(n, bool),
-                        obs_index=np.asarray(step.obs_index, np.int64) if step.obs_index else None,
+                        obs_index=np.fromiter(step.obs_index, np.int64, n) if step.obs_index else None,
                     )
                 else:
                     future = self.batcher.submit(obs, slots)
