@@ -184,10 +184,10 @@ class EpisodeTracker:
 
     An episode is logged only if every one of its steps arrived: a trainer that joins a server
     mid-run, a segment the server dropped (``overflow = "drop"``) and a reconnect with an answer
-    in flight from a client that does not resume (``StreamHello.resumes``; a sim worker does) all
-    cut one, and so does a client's return mid-episode to a server that had restarted (or
-    forgotten its session); a cut episode's return and length were once logged as if they were
-    whole. The cut ones are counted in ``cut``.
+    in flight from a client that does not resume (``StreamHello.resumes``; sim workers and robot
+    hosts do) all cut one, and so does a client's return mid-episode to a server that had
+    restarted (or forgotten its session); a cut episode's return and length were once logged as
+    if they were whole. The cut ones are counted in ``cut``.
     """
 
     log: EpisodeLog = field(default_factory=EpisodeLog)
