@@ -196,7 +196,7 @@ class _Session:
         """Row 0 holds an answered row of the stream before, which the env's first message on this
         stream (a resuming one) either completes or repeats."""
         self.index: np.ndarray = np.full(e, -1, np.int64)
-        """The client's index of row ``pos``'s observation (``StepObservation.obs_index``); -1: none."""
+        """The client's number of row ``pos``'s request (``StepObservation.obs_index``); -1: none."""
         self.seg_episode: np.ndarray = np.zeros(e, np.int64)
         self.seg_t: np.ndarray = np.zeros(e, np.int64)
 
@@ -442,8 +442,8 @@ class TransitionStore:
         obs_index: np.ndarray | None = None,
     ) -> None:
         """A step message arrived: complete the envs' open rows, cut full segments, open new rows.
-        ``obs_index``: the client's index of each observation (``StepObservation.obs_index``), int64;
-        None: not given.
+        ``obs_index``: the client's number of each row's request (``StepObservation.obs_index``),
+        int64; None: not given.
 
         Raises:
             EnvBusyError: an env in ``env_ids`` still waits for its previous action.
@@ -468,13 +468,13 @@ class TransitionStore:
             # The request answered on the stream before, sent again: that answer never reached the
             # client. The row is open again, for a new answer (to the observation this message has).
             again = (obs[resuming] == s.obs[ids, 0]).reshape(len(ids), -1).all(axis=1)
-            if obs_index is not None:  # the indices tell, where both rows have one
+            if obs_index is not None:  # the numbers tell, where both rows have one
                 held, told = s.index[ids], obs_index[resuming]
                 known = held >= 0
                 again = np.where(known, told == held, again)
-                # Neither the same observation nor the next: a message of the stream before never
-                # came (a robot's request lost with it, its reward and flags too). Completing the
-                # row with this one's reward would give it a later step's; it is lost instead.
+                # Neither the same request nor the next: one between was lost and not sent again
+                # (its reward and flags with it). Completing the row with this one's reward would
+                # give it a later step's; it is lost instead.
                 gap = known & ~again & (told != held + 1)
                 if gap.any():
                     self._lose(s, ids[gap], s.autoreset[ids[gap], 0])

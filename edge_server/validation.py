@@ -17,7 +17,7 @@ from edgerl.proto.v1 import edge_pb2 as pb
 
 MAX_SESSION_ID_LEN = 128
 MAX_OBS_INDEX = 2**63 - 1
-"""Largest observation index (``StepObservation.obs_index``) the server takes: it holds them as int64."""
+"""Largest request number (``StepObservation.obs_index``) the server takes: it holds them as int64."""
 
 
 class InvalidRequestError(Exception):

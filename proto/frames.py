@@ -11,8 +11,8 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   ``backfill``, ``mid_episode`` and ``resumes``.
 - ``O`` (client): ``epoch, rows, obs_size`` (``u32``), then the rows' env ids
   (``i32``), observations (``f32``), rewards (``f32``), terminated /
-  truncated / fallback flags (``u8`` each, row by row) and observation
-  indices (``u64``, ``StepObservation.obs_index``).
+  truncated / fallback flags (``u8`` each, row by row) and the rows'
+  numbers among their envs' requests (``u64``, ``StepObservation.obs_index``).
 - ``U`` / ``D`` (to the client): the stream of ``epoch`` (``u32``) is up /
   failed. A ``D`` frame goes on with the failure, UTF-8: its gRPC status name
   (empty for a failure with none), a newline, the message.
@@ -55,7 +55,7 @@ class ObsRows:
     flags: np.ndarray
     """uint8 ``[rows, 3]``: terminated, truncated, fallback."""
     obs_index: np.ndarray
-    """uint64 ``[rows]``: each observation's index among its env's (``StepObservation.obs_index``)."""
+    """uint64 ``[rows]``: each row's number among its env's requests (``StepObservation.obs_index``)."""
 
 
 LENGTH = struct.Struct("<I")

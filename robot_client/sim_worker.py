@@ -134,8 +134,8 @@ class _Group:
         self.ep_length = np.zeros(n, np.int64)
         self.resetting = np.zeros(n, bool)
         self.obs_index = np.zeros(n, np.uint64)
-        """Each env's observation index (``StepObservation.obs_index``): the group's envs step
-        together, and an observation sent again on a new stream keeps its index."""
+        """Each env's number for its next request (``StepObservation.obs_index``): its steps so
+        far, as the group's envs step together; a request sent again on a new stream keeps it."""
 
     async def send(self, stream: ActStream) -> None:
         await stream.send(

@@ -256,13 +256,26 @@ def _breakable(
 
 @pytest.mark.parametrize("transport", BREAKS)
 def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_on(
-    transport: str, tmp_path: Path
+    transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker's stream breaks four times, each time with the groups' messages or answers in
     flight. Before, the server counted each step it had answered and not seen the reward of as
     lost, and the trainer cut its episode, though the worker had either stepped with that answer
     or would send the same observation again. The worker resumes (``StreamHello.resumes``): no
-    step is lost, each env's segments follow one another without a gap, and no episode is cut."""
+    step is lost, each env's segments follow one another without a gap, and no episode is cut.
+    Each env's messages are numbered 0, 1, 2, ... (``StepObservation.obs_index``), and one sent
+    again on a new stream keeps its number."""
+    numbers: dict[int, list[int]] = {}
+    observe = TransitionStore.observe
+
+    def spy(self: TransitionStore, handle: StreamHandle, env_ids: np.ndarray, *args: Any, **kw: Any) -> None:
+        index = kw["obs_index"]
+        assert index is not None
+        for e, i in zip(env_ids.tolist(), index.tolist(), strict=True):
+            numbers.setdefault(e, []).append(i)
+        observe(self, handle, env_ids, *args, **kw)
+
+    monkeypatch.setattr(TransitionStore, "observe", spy)
     with _breakable(transport, tmp_path, TransitionConfig(segment_steps=4)) as (server, worker, cut):
 
         def taken() -> tuple[int, list[pb.Segment]]:
@@ -288,6 +301,10 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
     tracker = EpisodeTracker()
     assemble(segments, None, tracker)
     assert tracker.cut == 0 and tracker.log.count > 0
+    assert sorted(numbers) == [0, 1, 2, 3]
+    for sent in numbers.values():
+        assert sent[0] == 0 and all(b - a in (0, 1) for a, b in itertools.pairwise(sent)), sent
+        assert len(set(sent)) >= 100 // 4
 
 
 @pytest.mark.parametrize("transport", BREAKS)
