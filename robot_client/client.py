@@ -172,8 +172,9 @@ class ActStream:
 
         ``fallback`` marks envs whose previous applied action was not the policy's
         (e.g. a watchdog fallback); the trainer keeps those steps out of the policy loss.
-        ``obs_index`` numbers each observation among its env's (``StepObservation.obs_index``):
-        a stream that resumes (``open_stream(resumes=True)``) should send them.
+        ``obs_index`` numbers each row among its env's requests (``StepObservation.obs_index``;
+        a request sent again keeps its number): a stream that resumes
+        (``open_stream(resumes=True)``) should send them.
 
         Returns:
             The message's sequence number.

@@ -679,7 +679,7 @@ class RobotLink:
 
     def release(self) -> None:
         """The request in flight is gone, unanswered (the stream failed, or took no more): a new
-        one may be sent. It takes the request's index, and its reward and flags (and those of a
+        one may be sent. It takes the request's number, and its reward and flags (and those of a
         final observation queued behind it) go back into the new one: the server completes the
         step it answered last with it, or, where the lost request reached it and was answered,
         answers it in that request's place (``StreamHello.resumes``). Nothing the robot earned is

@@ -192,7 +192,7 @@ def test_a_resuming_stream_completes_or_repeats_what_the_stream_before_left_answ
 
 
 @pytest.mark.parametrize("ended", ["taken-over", "closed"])
-def test_obs_indices_tell_a_resuming_streams_repeat_from_a_step_that_follows_or_one_after_a_gap(
+def test_request_numbers_tell_a_resuming_streams_repeat_from_a_step_that_follows_or_one_after_a_gap(
     ended: str,
 ) -> None:
     """Message 2 of three envs, numbered 2 (``StepObservation.obs_index``), was answered when the
