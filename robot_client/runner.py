@@ -612,6 +612,10 @@ class RobotLink:
             self._hold(tick)
             return
         was_reset = self._reset_next
+        # An episode's end that no request has carried yet (its robot had no stream then): the
+        # ticks after it are of the next episode, none of whose steps has reached the server.
+        # What they earn belongs to no step, not to the ended episode's last one.
+        ended = self._terminated or self._truncated
         if was_reset:  # the action of the tick after an episode's end is not applied
             reading = robot.reset()
             self._reset_next = False
@@ -619,12 +623,14 @@ class RobotLink:
         else:
             robot.apply(tick.action)
             reading = robot.read()
-            self._reward += reading.reward
+            if not ended:
+                self._reward += reading.reward
             self._ep_return += reading.reward
             self._ep_length += 1
         self._terminated |= reading.terminated
         self._truncated |= reading.truncated
-        self._fallback |= tick.fallback
+        if not ended:
+            self._fallback |= tick.fallback
         done = reading.terminated or reading.truncated
         if done:
             self._reset_next = True
@@ -683,14 +689,24 @@ class RobotLink:
         final observation queued behind it) go back into the new one: the server completes the
         step it answered last with it, or, where the lost request reached it and was answered,
         answers it in that request's place (``StreamHello.resumes``). Nothing the robot earned is
-        lost with a break of the stream."""
-        for req in (self._sent, self._final):
-            if req is not None:
+        lost with a break of the stream.
+
+        Where a request lost was an episode's last, the new one carries that episode's end: the
+        reward and flags of the episode after it, earned on fallbacks before any of its steps
+        reached the server, belong to no step and are left out."""
+        lost = [req for req in (self._sent, self._final) if req is not None]
+        if lost:
+            ended = next((i for i, req in enumerate(lost) if req.terminated or req.truncated), None)
+            if ended is not None:
+                lost = lost[: ended + 1]
+                self._reward = 0.0
+                self._terminated = self._truncated = self._fallback = False
+            for req in lost:
                 self._reward += req.reward
                 self._terminated |= req.terminated
                 self._truncated |= req.truncated
                 self._fallback |= req.fallback
-                self._requests_made = min(self._requests_made, req.index)
+            self._requests_made = lost[0].index
         self._outstanding = False
         self._sent = self._final = None
 

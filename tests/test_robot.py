@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -30,9 +31,17 @@ from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.bags import read_bag
 from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
-from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotRunnerConfig, chunk_defaults
+from edgerl.robot_client.runner import (
+    LinkFaults,
+    RobotHost,
+    RobotLink,
+    RobotRunnerConfig,
+    _Request,
+    chunk_defaults,
+)
 from edgerl.sim.envs import env_spec
 from edgerl.sim.robot import MujocoRobot
+from edgerl.watchdog.clock import MonotonicClock
 from edgerl.watchdog.watchdog import Tick, TickKind, WatchdogConfig
 from tests.helpers import (
     EDGERL,
@@ -377,6 +386,46 @@ class EndingRobot(CounterRobot):
         self.resets += 1
         self.since_reset = 0
         return self.read()
+
+
+def _lone_link(robot: Robot) -> RobotLink:
+    """A robot's link with no stream: each of its ticks is driven by the test."""
+    return RobotLink(0, robot, _config("127.0.0.1:1"), MonotonicClock())
+
+
+def _fallback_tick(i: int) -> Tick:
+    return Tick(i, 0.0, 0.0, np.zeros(2, np.float32), TickKind.FALLBACK, math.nan)
+
+
+def test_what_a_robot_earns_after_an_episode_end_no_request_carried_goes_to_no_step() -> None:
+    """An episode of 5 ticks ends while the robot has no stream, and it runs on into the next.
+    Before, the robot's next request carried the reward of every tick since its last, the next
+    episode's too, to the ended episode's last step. It now carries that episode's 5 and its end."""
+    link = _lone_link(EndingRobot(length=5))
+    for i in range(12):  # 5 to the end, a reset, the next episode's 5 to its end, a reset
+        link._tick(_fallback_tick(i))
+    assert link.counts["episodes"] == 2
+    assert (link._reward, link._terminated, link._fallback) == (5.0, True, True)  # 10.0 before
+
+
+def _lost(reward: float, index: int, *, end: bool = False, fallback: bool = False) -> Any:
+    return _Request(0, 0.0, np.zeros(3, np.float32), reward, end, False, fallback, index)
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["no-end", "episode-end"])
+def test_a_released_request_goes_back_into_the_next_with_its_number(ended: bool) -> None:
+    """The stream broke with request 7 in flight and, queued behind it, request 8: the episode's
+    last (or, with no end, another request). The next request takes number 7 and carries what both
+    earned, and what the robot earned since, unless an episode ended: that goes to no step."""
+    link = _lone_link(CounterRobot())
+    link._sent, link._final = _lost(2.0, 7), _lost(3.0, 8, end=ended)
+    link._outstanding, link._requests_made = True, 9
+    link._reward, link._fallback = 4.0, True  # since request 8 (the next episode's, where it ended)
+    link.release()
+    assert not link._outstanding and link._sent is None and link._final is None
+    assert link._requests_made == 7
+    carried = (link._reward, link._terminated, link._fallback)
+    assert carried == ((5.0, True, False) if ended else (9.0, False, True))
 
 
 def test_an_e_stopped_robot_whose_episode_ends_is_held_not_reset_until_the_e_stop_is() -> None:
