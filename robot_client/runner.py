@@ -688,8 +688,8 @@ class RobotLink:
         one may be sent. It takes the request's number, and its reward and flags (and those of a
         final observation queued behind it) go back into the new one: the server completes the
         step it answered last with it, or, where the lost request reached it and was answered,
-        answers it in that request's place (``StreamHello.resumes``). Nothing the robot earned is
-        lost with a break of the stream.
+        answers it in that request's place (``StreamHello.resumes``). A break of the stream loses
+        nothing of what the robot earned in its episode.
 
         Where a request lost was an episode's last, the new one carries that episode's end: the
         reward and flags of the episode after it, earned on fallbacks before any of its steps
