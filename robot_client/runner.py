@@ -590,12 +590,10 @@ class RobotLink:
         )
         self.on_tick = on_tick
         self.outbox: _Outbox | None = None
-        self._outstanding = False
         self._sent: _Request | None = None  # posted, not yet answered
         self._final: _Request | None = None
         self._reset_next = False
-        self._reward = 0.0
-        self._terminated = self._truncated = self._fallback = False
+        self._forget_earned()
         self._requests_made = 0
         self._rng = random.Random(config.faults.seed * 100_003 + index)
         self.latencies_s = Samples(config.stats_window)
@@ -612,25 +610,18 @@ class RobotLink:
             self._hold(tick)
             return
         was_reset = self._reset_next
-        # An episode's end that no request has carried yet (its robot had no stream then): the
-        # ticks after it are of the next episode, none of whose steps has reached the server.
-        # What they earn belongs to no step, not to the ended episode's last one.
-        ended = self._terminated or self._truncated
         if was_reset:  # the action of the tick after an episode's end is not applied
             reading = robot.reset()
             self._reset_next = False
             self.watchdog.discard()
+            reward = 0.0
         else:
             robot.apply(tick.action)
             reading = robot.read()
-            if not ended:
-                self._reward += reading.reward
-            self._ep_return += reading.reward
+            reward = reading.reward
+            self._ep_return += reward
             self._ep_length += 1
-        self._terminated |= reading.terminated
-        self._truncated |= reading.truncated
-        if not ended:
-            self._fallback |= tick.fallback
+        self._earn(reward, reading.terminated, reading.truncated, tick.fallback)
         done = reading.terminated or reading.truncated
         if done:
             self._reset_next = True
@@ -647,7 +638,6 @@ class RobotLink:
         busy = self._outstanding
         if busy and not done:
             return  # the answer in flight will refill the queue; this observation is skipped
-        self._outstanding = True
         req = _Request(
             tick.index,
             self.watchdog.clock.now(),
@@ -659,8 +649,7 @@ class RobotLink:
             self._requests_made,
         )
         self._requests_made += 1
-        self._reward = 0.0
-        self._terminated = self._truncated = self._fallback = False
+        self._forget_earned()
         if busy:
             # An episode's last observation must reach the server (it carries the
             # final reward and flags): it goes out as soon as the answer in flight is in.
@@ -668,6 +657,27 @@ class RobotLink:
             return
         self._sent = req
         outbox.post(self.index, req)
+
+    @property
+    def _outstanding(self) -> bool:
+        """A request is in flight (an episode's last observation may wait behind it)."""
+        return self._sent is not None
+
+    def _forget_earned(self) -> None:
+        """Start afresh what the robot's next request carries."""
+        self._reward = 0.0
+        self._terminated = self._truncated = self._fallback = False
+
+    def _earn(self, reward: float, terminated: bool, truncated: bool, fallback: bool) -> None:
+        """Add to what the robot's next request carries. After an episode's end that no request
+        has carried yet (the robot had no stream then, or the request that carried it was lost),
+        the robot is in the next episode, none of whose steps has reached the server: what it
+        earns there belongs to no step, not to the ended episode's last one, and is left out."""
+        if not (self._terminated or self._truncated):
+            self._reward += reward
+            self._fallback |= fallback
+        self._terminated |= terminated
+        self._truncated |= truncated
 
     def _hold(self, tick: Tick) -> None:
         """A tick of an e-stopped robot whose episode has ended: no reset until the e-stop's.
@@ -695,25 +705,18 @@ class RobotLink:
         reward and flags of the episode after it, earned on fallbacks before any of its steps
         reached the server, belong to no step and are left out."""
         lost = [req for req in (self._sent, self._final) if req is not None]
-        if lost:
-            ended = next((i for i, req in enumerate(lost) if req.terminated or req.truncated), None)
-            if ended is not None:
-                lost = lost[: ended + 1]
-                self._reward = 0.0
-                self._terminated = self._truncated = self._fallback = False
+        if lost:  # earned before what the robot earned since: all of it goes in again, in order
+            since = (self._reward, self._terminated, self._truncated, self._fallback)
+            self._forget_earned()
             for req in lost:
-                self._reward += req.reward
-                self._terminated |= req.terminated
-                self._truncated |= req.truncated
-                self._fallback |= req.fallback
+                self._earn(req.reward, req.terminated, req.truncated, req.fallback)
+            self._earn(*since)
             self._requests_made = lost[0].index
-        self._outstanding = False
         self._sent = self._final = None
 
     def deliver(self, actions: np.ndarray, version: int, log_prob: float, req: _Request) -> None:
         """The answer to ``req`` arrived: hand it to the watchdog (after injected faults)."""
         final, self._final = self._final, None
-        self._outstanding = final is not None
         self._sent = final
         if final is not None and self.outbox is not None:
             self.outbox.post(self.index, final)

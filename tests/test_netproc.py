@@ -225,8 +225,8 @@ def test_a_network_process_lost_on_a_send_leaves_nothing_for_its_replacement_to_
             first.kill()
             first.wait()
             link = host.links[0]
-            link._outstanding = True  # what posting a request marks
             request = _Request(0, 0.0, np.zeros(3, np.float32), 0.0, False, False, False, 0)
+            link._sent = request  # what posting a request marks
             outbox.post(0, request)
             outbox.flush()  # the send finds the socket broken
             assert (outbox.restarts, outbox.connected, len(outbox._rows)) == (1, False, 0)

@@ -419,7 +419,7 @@ def test_a_released_request_goes_back_into_the_next_with_its_number(ended: bool)
     earned, and what the robot earned since, unless an episode ended: that goes to no step."""
     link = _lone_link(CounterRobot())
     link._sent, link._final = _lost(2.0, 7), _lost(3.0, 8, end=ended)
-    link._outstanding, link._requests_made = True, 9
+    link._requests_made = 9
     link._reward, link._fallback = 4.0, True  # since request 8 (the next episode's, where it ended)
     link.release()
     assert not link._outstanding and link._sent is None and link._final is None
