@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
+from edgerl.edge_server.transitions import StreamHandle, TransitionConfig, TransitionStore
+from edgerl.edge_server.validation import StreamSpec, check_hello
 from edgerl.launch.certs import DevPki, make_dev_pki
+from edgerl.proto import tensors
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.trainer.segments import EpisodeTracker, assemble
 from tests.helpers import EchoPolicy, ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +100,85 @@ def test_token_and_mutual_tls(client: Path, pki: DevPki) -> None:
 def test_bad_option_is_named(client: Path) -> None:
     out = _run(client, "--frobnicate")
     assert out.returncode == 2 and "unknown option --frobnicate" in out.stderr
+
+
+def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's connection is reset four times on the way (a relay). Before, the client
+    stopped at the first break with ``ERROR 14``. It now opens a new stream that resumes the
+    session: every step is answered once and in order, the server loses none of the episode's
+    steps, and each row carries its own action's reward (step k's action earns k + 1), with
+    the request whose answer was lost sent again under its number."""
+    hellos: list[tuple[bool, bool]] = []
+    numbers: list[int] = []
+    observe = TransitionStore.observe
+
+    def hello_spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
+        hellos.append((hello.mid_episode, hello.resumes))
+        return check_hello(hello, *args)
+
+    def observe_spy(
+        self: TransitionStore, handle: StreamHandle, env_ids: np.ndarray, *args: Any, **kw: Any
+    ) -> None:
+        index = kw["obs_index"]
+        numbers.extend([] if index is None else index.tolist())
+        observe(self, handle, env_ids, *args, **kw)
+
+    monkeypatch.setattr("edgerl.edge_server.service.check_hello", hello_spy)
+    monkeypatch.setattr(TransitionStore, "observe", observe_spy)
+    # Inference takes most of each 10 ms tick, so most cuts find a request at the server and
+    # lose its answer: that request goes again.
+    policy = EchoPolicy(3, 2, delay_s=0.009)
+    with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
+        cmd = [str(client), "--server", f"127.0.0.1:{link.port}", "--steps", "200", "--hz", "100"]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            for _ in range(4):
+                time.sleep(0.3)
+                srv.in_loop(link.cut)
+            out, err = proc.communicate(timeout=60)
+
+        def taken() -> tuple[int, list[pb.Segment]]:
+            assert srv.server is not None and srv.server.store is not None
+            store = srv.server.store
+            store.ack(0, 1 << 30)
+            return store.counters.transitions_dropped_disconnect, store.take_sendable()
+
+        counted = srv.in_loop(taken)
+    assert proc.returncode == 0, out + err
+    lines = out.splitlines()
+    assert lines[-1] == "OK steps=200 version=0", out
+    steps = [int(m.group(1)) for m in map(STEP.match, lines) if m]
+    assert steps == list(range(200))  # each answered once, in order
+    reconnects = [line for line in lines if line.startswith("reconnect ")]
+    assert len(reconnects) >= 4 and all(" after 14 " in line for line in reconnects), reconnects
+    assert isinstance(counted, tuple)
+    dropped, segments = counted
+    assert dropped == 0
+    rewards: list[float] = []
+    obs: list[np.ndarray] = []
+    for seg in segments:
+        assert seg.env_id == 0 and (seg.episode, seg.t) == (0, len(rewards)), seg
+        rewards += seg.rewards
+        obs.append(tensors.decode(seg.obs))
+    assert len(rewards) >= 150 and rewards == list(range(1, len(rewards) + 1))
+    k = np.arange(len(rewards))[:, None]
+    np.testing.assert_allclose(np.concatenate(obs), np.sin(0.1 * k + np.arange(3)), atol=1e-5)
+    tracker = EpisodeTracker()
+    assemble(segments, None, tracker)
+    assert tracker.cut == 0
+    # Every stream after the first resumed mid-episode; each request went numbered.
+    assert len(hellos) >= 5 and hellos[0] == (False, True) and set(hellos[1:]) == {(True, True)}, hellos
+    diffs = [b - a for a, b in itertools.pairwise(numbers)]
+    assert numbers and numbers[0] == 0 and set(diffs) == {0, 1}, numbers  # a request sent again: 0
+
+
+def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
+    """``--reconnect-s 0``: the first break ends the run with the stream's status."""
+    with ServerThread(EchoPolicy(3, 2)) as srv, srv.link() as link:
+        cmd = [str(client), "--server", f"127.0.0.1:{link.port}", "--steps", "200", "--hz", "100",
+               "--reconnect-s", "0"]  # fmt: skip
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            time.sleep(0.3)
+            srv.in_loop(link.cut)
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out + err
+    assert out.splitlines()[-1].startswith("ERROR 14 ") and "reconnect " not in out, out

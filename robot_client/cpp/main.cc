@@ -1,15 +1,24 @@
 // edgerl_cpp_client: stream observations to an edgerl edge server from a fixed-rate loop
 // and print the actions that come back. It shows that the wire contract (proto/edgerl/v1/
-// edge.proto) is all a robot controller outside Python needs.
+// edge.proto) is all a robot controller outside Python needs, reconnects included.
 //
 //   edgerl_cpp_client --server HOST:PORT [--steps N] [--hz HZ] [--session ID]
-//                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
+//                     [--reconnect-s S] [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
 //
 // Each step sends one StepObservation (env 0) whose observation is a deterministic test
-// signal, obs[i] = sin(0.1 * step + i), waits for its ActResponse (deadline 2 s), checks the
-// sequence number and prints one line: "step <n> version <v> obs <...> action <...>".
-// The last line is "OK steps=<n> version=<v>"; any failure prints "ERROR <code> <message>"
-// and exits 1.
+// signal, obs[i] = sin(0.1 * step + i), and whose reward is what the previous step's action
+// earned, another test signal: step k's action earns k + 1. It waits for the ActResponse,
+// checks the sequence number and prints one line: "step <n> version <v> obs <...> action
+// <...> queue_wait_us <us>". The last line is "OK steps=<n> version=<v>"; any
+// failure prints "ERROR <code> <message>" and exits 1.
+//
+// Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
+// connection), the client opens a new one within --reconnect-s seconds (default 10; 0: never),
+// backing off from 50 ms to 1 s, and prints "reconnect <n> after <code> <message>". The new
+// stream resumes the session (StreamHello.mid_episode and resumes): the request whose answer
+// did not come goes again, numbered as before (StepObservation.obs_index, the step), so the
+// server loses no step of the episode and completes each with its own reward.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +41,7 @@ struct Options {
   std::string server = "127.0.0.1:50051";
   int steps = 10;
   double hz = 0.0;  // 0: as fast as the server answers
+  double reconnect_s = 10.0;  // how long to keep trying to resume a broken stream; 0: never
   std::string session = "cpp-client";
   std::string token;
   std::string ca, cert, key;
@@ -57,6 +67,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--hz") o.hz = std::stod(next());
     else if (a == "--session") o.session = next();
+    else if (a == "--reconnect-s") o.reconnect_s = std::stod(next());
     else if (a == "--token") o.token = next();
     else if (a == "--ca") o.ca = next();
     else if (a == "--cert") o.cert = next();
@@ -135,48 +146,80 @@ int main(int argc, char** argv) {
             << info.env_name() << " obs_dim " << obs_dim << " act_dim "
             << info.action_space().shape(0) << " version " << info.policy_version() << std::endl;
 
-  // The Act stream: hello first, then one step per loop iteration.
-  grpc::ClientContext ctx;
-  AddAuth(&ctx, o, 3600.0);
-  auto stream = stub->Act(&ctx);
-  edgerl::v1::ActRequest hello;
-  auto* h = hello.mutable_hello();
-  h->set_session_id(o.session);
-  h->set_env_name(info.env_name());
-  h->set_num_envs(1);
-  for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
-  h->set_max_inflight(1);
-  if (!stream->Write(hello)) return Fail(stream->Finish());
+  // The Act stream: hello first, then one step per loop iteration. A stream after the first
+  // resumes the session: the envs are mid-episode, and the request left unanswered goes again.
+  using Stream = grpc::ClientReaderWriter<edgerl::v1::ActRequest, edgerl::v1::ActResponse>;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<Stream> stream;
+  int streams = 0;
+  auto open = [&]() {
+    stream.reset();  // the finished call before its context
+    ctx = std::make_unique<grpc::ClientContext>();
+    AddAuth(ctx.get(), o, 3600.0);
+    stream = stub->Act(ctx.get());
+    edgerl::v1::ActRequest hello;
+    auto* h = hello.mutable_hello();
+    h->set_session_id(o.session);
+    h->set_env_name(info.env_name());
+    h->set_num_envs(1);
+    for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
+    h->set_max_inflight(1);
+    h->set_mid_episode(streams > 0);
+    h->set_resumes(true);
+    ++streams;
+    stream->Write(hello);  // a failure shows at the first step's write or read
+  };
+  open();
 
-  const auto period = std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0);
+  const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0));
+  const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);
   auto next_tick = std::chrono::steady_clock::now();
   uint64_t version = 0;
+  uint64_t seq = 0;  // this stream's: 0 for its first step
+  int reconnects = 0;
   for (int step = 0; step < o.steps; ++step) {
     std::vector<float> obs(obs_dim);
     for (int64_t i = 0; i < obs_dim; ++i) obs[i] = static_cast<float>(std::sin(0.1 * step + i));
     edgerl::v1::ActRequest req;
     auto* st = req.mutable_step();
-    st->set_seq(step);
     st->add_env_ids(0);
     *st->mutable_obs() = Float32(obs, {1, obs_dim});
-    st->add_rewards(0.0f);
+    st->add_rewards(static_cast<float>(step));  // what step - 1's action earned
     st->add_terminated(false);
     st->add_truncated(false);
-    if (!stream->Write(req)) return Fail(stream->Finish());
+    st->add_obs_index(static_cast<uint64_t>(step));
     edgerl::v1::ActResponse resp;
-    if (!stream->Read(&resp)) return Fail(stream->Finish());
-    if (resp.seq() != static_cast<uint64_t>(step)) {
-      std::cout << "ERROR protocol answer for step " << resp.seq() << ", expected " << step << std::endl;
+    const auto asked = std::chrono::steady_clock::now();
+    for (int attempt = 0;; ++attempt) {
+      st->set_seq(seq);
+      if (stream->Write(req) && stream->Read(&resp)) break;
+      grpc::Status s = stream->Finish();
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
+          std::chrono::steady_clock::now() - asked >= reconnect_for) {
+        return Fail(s);
+      }
+      std::cout << "reconnect " << ++reconnects << " after " << s.error_code() << ' '
+                << s.error_message() << std::endl;
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50 << std::min(attempt, 5), 1000)));
+      open();
+      seq = 0;
+    }
+    if (resp.seq() != seq) {
+      std::cout << "ERROR protocol answer for seq " << resp.seq() << ", expected " << seq << std::endl;
       return 1;
     }
+    ++seq;
     version = resp.policy_version();
     std::cout << "step " << step << " version " << version;
     Print("obs", obs);
     Print("action", Floats(resp.actions()));
     std::cout << " queue_wait_us " << resp.queue_wait_us() << std::endl;
     if (o.hz > 0) {
-      next_tick += std::chrono::duration_cast<std::chrono::steady_clock::duration>(period);
-      std::this_thread::sleep_until(next_tick);  // absolute deadlines: no drift
+      next_tick += period;  // absolute deadlines: no drift
+      const auto now = std::chrono::steady_clock::now();
+      if (next_tick < now) next_tick = now;  // after an outage, no burst of ticks to catch up
+      std::this_thread::sleep_until(next_tick);
     }
   }
   stream->WritesDone();
