@@ -24,6 +24,7 @@ import pytest
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions, EdgeClient
 from edgerl.robot_client.security import ClientSecurity
@@ -352,6 +353,20 @@ class ServerThread:
             return fn()  # type: ignore[operator]
 
         return self._call(call())
+
+    def lost_and_segments(self) -> tuple[int, list[pb.Segment]]:
+        """The steps the server counted lost at disconnects (``transitions_dropped_disconnect``)
+        and the segments it holds for a trainer, taken as one with an unbounded window takes them."""
+
+        def taken() -> tuple[int, list[pb.Segment]]:
+            assert self.server is not None and self.server.store is not None
+            store = self.server.store
+            store.ack(0, 1 << 30)
+            return store.counters.transitions_dropped_disconnect, store.take_sendable()
+
+        result = self.in_loop(taken)
+        assert isinstance(result, tuple)
+        return result
 
     def kill(self, grace_s: float = 0.0) -> None:
         """Stop the server: at once, or after ``grace_s`` for what is in flight."""
