@@ -75,16 +75,17 @@ class EchoPolicy(PolicyBackend):
 class Link:
     """A TCP link to ``127.0.0.1:target_port`` that can go silent or be cut.
 
-    After :meth:`go_silent` it still holds both connections open but delivers nothing either
-    way, as a link that died without a FIN or RST does (a robot's power cut, a cable pulled,
-    Wi-Fi out of range). :meth:`cut` resets the connections through it, as a network error
-    does; new ones go through.
+    After :meth:`go_silent` it still holds the connections open through it but delivers nothing
+    on them either way, as a link that died without a FIN or RST does (a robot's power cut, a
+    cable pulled, Wi-Fi out of range); new ones go through (the robot's next route).
+    :meth:`cut` resets the connections through it, as a network error does; new ones go
+    through.
     """
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = 0
-        self.silent = False
+        self._silent: set[asyncio.StreamWriter] = set()  # the writers of silenced connections
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -104,7 +105,8 @@ class Link:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def go_silent(self) -> None:
-        self.silent = True
+        """Deliver nothing more on the connections open now."""
+        self._silent.update(self._writers)
 
     def cut(self) -> None:
         """Reset both ends of every connection through the link (on its event loop)."""
@@ -123,7 +125,7 @@ class Link:
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError):  # cut
             while data := await src.read(65536):
-                if not self.silent:  # silent: read and dropped, so the sender's writes still succeed
+                if dst not in self._silent:  # silent: read and dropped, so the sender's writes still succeed
                     dst.write(data)
                     await dst.drain()
 

@@ -8,6 +8,8 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.trainer.segments import EpisodeTracker, assemble
-from tests.helpers import EchoPolicy, ServerThread
+from tests.helpers import EchoPolicy, Link, ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "cpp"
@@ -102,12 +104,57 @@ def test_bad_option_is_named(client: Path) -> None:
     assert out.returncode == 2 and "unknown option --frobnicate" in out.stderr
 
 
-def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The client's connection is reset four times on the way (a relay). Before, the client
-    stopped at the first break with ``ERROR 14``. It now opens a new stream that resumes the
-    session: every step is answered once and in order, the server loses none of the episode's
-    steps, and each row carries its own action's reward (step k's action earns k + 1), with
-    the request whose answer was lost sent again under its number."""
+@dataclass
+class Resumed:
+    """What a run of the client through a :class:`Link` left: its output, what the server
+    counted lost and holds for a trainer, each stream's hello (``mid_episode``, ``resumes``)
+    and the numbers of the requests the server took in (``obs_index``), in order."""
+
+    returncode: int
+    out: str
+    dropped: int
+    segments: list[pb.Segment]
+    hellos: list[tuple[bool, bool]]
+    numbers: list[int]
+
+    def reconnects(self) -> list[str]:
+        return [line for line in self.out.splitlines() if line.startswith("reconnect ")]
+
+    def assert_every_step_kept(self, steps: int) -> None:
+        """Every step answered once and in order; the server lost none, and each row carries
+        its own action's reward (step k's action earns k + 1) and observation."""
+        lines = self.out.splitlines()
+        assert self.returncode == 0 and lines[-1] == f"OK steps={steps} version=0", self.out
+        assert [int(m.group(1)) for m in map(STEP.match, lines) if m] == list(range(steps))
+        assert self.dropped == 0
+        rewards: list[float] = []
+        obs: list[np.ndarray] = []
+        for seg in self.segments:
+            assert seg.env_id == 0 and (seg.episode, seg.t) == (0, len(rewards)), seg
+            rewards += seg.rewards
+            obs.append(tensors.decode(seg.obs))
+        assert len(rewards) >= 0.75 * steps and rewards == list(range(1, len(rewards) + 1))
+        k = np.arange(len(rewards))[:, None]
+        np.testing.assert_allclose(np.concatenate(obs), np.sin(0.1 * k + np.arange(3)), atol=1e-5)
+        tracker = EpisodeTracker()
+        assemble(self.segments, None, tracker)
+        assert tracker.cut == 0
+        # Every stream after the first resumed mid-episode; each request went numbered.
+        hellos = self.hellos
+        assert len(hellos) >= 2 and hellos[0] == (False, True) and set(hellos[1:]) == {(True, True)}, hellos
+        assert self.numbers and self.numbers[0] == 0, self.numbers
+        assert {b - a for a, b in itertools.pairwise(self.numbers)} <= {0, 1}, self.numbers
+
+
+def _through_link(
+    client: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    disturb: Callable[[ServerThread, Link], None],
+    *args: str,
+    delay_s: float = 0.0,
+) -> Resumed:
+    """Run the client (``args`` added) through a link to a server that keeps transitions,
+    ``disturb`` the link meanwhile, and take what the run left."""
     hellos: list[tuple[bool, bool]] = []
     numbers: list[int] = []
     observe = TransitionStore.observe
@@ -125,42 +172,55 @@ def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: py
 
     monkeypatch.setattr("edgerl.edge_server.service.check_hello", hello_spy)
     monkeypatch.setattr(TransitionStore, "observe", observe_spy)
+    policy = EchoPolicy(3, 2, delay_s=delay_s)
+    with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
+        cmd = [str(client), "--server", f"127.0.0.1:{link.port}", *args]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            disturb(srv, link)
+            out, err = proc.communicate(timeout=60)
+        dropped, segments = srv.lost_and_segments()
+    return Resumed(proc.returncode, out + err, dropped, segments, hellos, numbers)
+
+
+def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's connection is reset four times on the way (a relay). Before, the client
+    stopped at the first break with ``ERROR 14``. It now opens a new stream that resumes the
+    session: every step is answered once and in order, the server loses none of the episode's
+    steps, and each row carries its own action's reward, with the request whose answer was
+    lost sent again under its number."""
+
+    def cut_four_times(srv: ServerThread, link: Link) -> None:
+        for _ in range(4):
+            time.sleep(0.3)
+            srv.in_loop(link.cut)
+
     # Inference takes most of each 10 ms tick, so most cuts find a request at the server and
     # lose its answer: that request goes again.
-    policy = EchoPolicy(3, 2, delay_s=0.009)
-    with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
-        cmd = [str(client), "--server", f"127.0.0.1:{link.port}", "--steps", "200", "--hz", "100"]
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-            for _ in range(4):
-                time.sleep(0.3)
-                srv.in_loop(link.cut)
-            out, err = proc.communicate(timeout=60)
-
-        dropped, segments = srv.lost_and_segments()
-    assert proc.returncode == 0, out + err
-    lines = out.splitlines()
-    assert lines[-1] == "OK steps=200 version=0", out
-    steps = [int(m.group(1)) for m in map(STEP.match, lines) if m]
-    assert steps == list(range(200))  # each answered once, in order
-    reconnects = [line for line in lines if line.startswith("reconnect ")]
+    run = _through_link(client, monkeypatch, cut_four_times, "--steps", "200", "--hz", "100", delay_s=0.009)
+    run.assert_every_step_kept(200)
+    reconnects = run.reconnects()
     assert len(reconnects) >= 4 and all(" after 14 " in line for line in reconnects), reconnects
-    assert dropped == 0
-    rewards: list[float] = []
-    obs: list[np.ndarray] = []
-    for seg in segments:
-        assert seg.env_id == 0 and (seg.episode, seg.t) == (0, len(rewards)), seg
-        rewards += seg.rewards
-        obs.append(tensors.decode(seg.obs))
-    assert len(rewards) >= 150 and rewards == list(range(1, len(rewards) + 1))
-    k = np.arange(len(rewards))[:, None]
-    np.testing.assert_allclose(np.concatenate(obs), np.sin(0.1 * k + np.arange(3)), atol=1e-5)
-    tracker = EpisodeTracker()
-    assemble(segments, None, tracker)
-    assert tracker.cut == 0
-    # Every stream after the first resumed mid-episode; each request went numbered.
-    assert len(hellos) >= 5 and hellos[0] == (False, True) and set(hellos[1:]) == {(True, True)}, hellos
-    diffs = [b - a for a, b in itertools.pairwise(numbers)]
-    assert numbers and numbers[0] == 0 and set(diffs) == {0, 1}, numbers  # a request sent again: 0
+    assert len(run.hellos) >= 5
+    assert 0 in {b - a for a, b in itertools.pairwise(run.numbers)}, run.numbers  # one sent again
+
+
+def test_an_overdue_answer_ends_the_stream_and_a_new_connection_resumes(
+    client: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's connection goes silent (a link that died without closing it). Before, the
+    client waited for the answer until the stream's hour-long deadline. Now the answer is
+    overdue after ``--answer-timeout-s``: the client cancels the stream, opens a new one on a
+    new connection (the old one is dead, and a new channel would otherwise share it), and
+    resumes without losing a step."""
+
+    def go_silent(srv: ServerThread, link: Link) -> None:
+        time.sleep(0.3)
+        srv.in_loop(link.go_silent)
+
+    args = ("--steps", "100", "--hz", "100", "--answer-timeout-s", "0.5")
+    run = _through_link(client, monkeypatch, go_silent, *args)
+    run.assert_every_step_kept(100)
+    assert run.reconnects() == ["reconnect 1 after 4 no answer within 0.5 s"], run.out
 
 
 def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
@@ -174,3 +234,9 @@ def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
             out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, out + err
     assert out.splitlines()[-1].startswith("ERROR 14 ") and "reconnect " not in out, out
+
+
+def test_bad_timeouts_are_named(client: Path) -> None:
+    for option, value in (("--answer-timeout-s", "0"), ("--reconnect-s", "-1")):
+        out = _run(client, "--server", "127.0.0.1:1", option, value)
+        assert out.returncode == 2 and f"{option} must be" in out.stderr, out.stderr

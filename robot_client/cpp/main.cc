@@ -3,29 +3,38 @@
 // edge.proto) is all a robot controller outside Python needs, reconnects included.
 //
 //   edgerl_cpp_client --server HOST:PORT [--steps N] [--hz HZ] [--session ID]
-//                     [--reconnect-s S] [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
+//                     [--answer-timeout-s S] [--reconnect-s S]
+//                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
 //
 // Each step sends one StepObservation (env 0) whose observation is a deterministic test
 // signal, obs[i] = sin(0.1 * step + i), and whose reward is what the previous step's action
-// earned, another test signal: step k's action earns k + 1. It waits for the ActResponse,
-// checks the sequence number and prints one line: "step <n> version <v> obs <...> action
+// earned, another test signal: step k's action earns k + 1. It waits for the ActResponse
+// (at most --answer-timeout-s seconds, default 2), checks the sequence number and prints one
+// line: "step <n> version <v> obs <...> action
 // <...> queue_wait_us <us>". The last line is "OK steps=<n> version=<v>"; any
 // failure prints "ERROR <code> <message>" and exits 1.
 //
+// The loop waits for each answer: a controller that must act at every tick whatever the
+// network does runs a watchdog beside the stream, as edgerl's robot host does.
+//
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
-// connection), the client opens a new one within --reconnect-s seconds (default 10; 0: never),
-// backing off from 50 ms to 1 s, and prints "reconnect <n> after <code> <message>". The new
-// stream resumes the session (StreamHello.mid_episode and resumes): the request whose answer
-// did not come goes again, numbered as before (StepObservation.obs_index, the step), so the
-// server loses no step of the episode and completes each with its own reward.
+// connection) or an answer is overdue (a link that died without closing its connection), the
+// client opens a new stream, on a new connection, within --reconnect-s seconds (default 10;
+// 0: never), backing off from 50 ms to 1 s, and prints "reconnect <n> after <code> <message>"
+// (code 4, DEADLINE_EXCEEDED, for an overdue answer). The new stream resumes the session
+// (StreamHello.mid_episode and resumes): the request whose answer did not come goes again,
+// numbered as before (StepObservation.obs_index, the step), so the server loses no step of
+// the episode and completes each with its own reward.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -41,6 +50,7 @@ struct Options {
   std::string server = "127.0.0.1:50051";
   int steps = 10;
   double hz = 0.0;  // 0: as fast as the server answers
+  double answer_timeout_s = 2.0;  // an answer later than this ends the stream as broken
   double reconnect_s = 10.0;  // how long to keep trying to resume a broken stream; 0: never
   std::string session = "cpp-client";
   std::string token;
@@ -67,6 +77,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--hz") o.hz = std::stod(next());
     else if (a == "--session") o.session = next();
+    else if (a == "--answer-timeout-s") o.answer_timeout_s = std::stod(next());
     else if (a == "--reconnect-s") o.reconnect_s = std::stod(next());
     else if (a == "--token") o.token = next();
     else if (a == "--ca") o.ca = next();
@@ -74,8 +85,63 @@ Options Parse(int argc, char** argv) {
     else if (a == "--key") o.key = next();
     else throw std::runtime_error("unknown option " + a);
   }
+  if (!(o.answer_timeout_s > 0)) throw std::runtime_error("--answer-timeout-s must be > 0");
+  if (!(o.reconnect_s >= 0)) throw std::runtime_error("--reconnect-s must be >= 0");
   return o;
 }
+
+// Cancels a call whose answer is overdue: armed before each step's write and read, disarmed
+// after them. (The synchronous API's reads take no deadline of their own.)
+class Alarm {
+ public:
+  Alarm() : thread_([this] { Run(); }) {}
+  ~Alarm() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Arm(grpc::ClientContext* ctx, std::chrono::steady_clock::time_point at) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ctx_ = ctx;
+      at_ = at;
+      fired_ = false;
+    }
+    cv_.notify_all();
+  }
+  // Whether the alarm cancelled the call.
+  bool Disarm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx_ = nullptr;
+    return fired_;
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (ctx_ == nullptr) {
+        cv_.wait(lock);
+      } else if (std::chrono::steady_clock::now() >= at_) {
+        ctx_->TryCancel();
+        ctx_ = nullptr;
+        fired_ = true;
+      } else {
+        cv_.wait_until(lock, at_);
+      }
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  grpc::ClientContext* ctx_ = nullptr;
+  std::chrono::steady_clock::time_point at_;
+  bool fired_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: it starts once the members above are set
+};
 
 // FLOAT32 tensor, little-endian raw bytes (x86 and ARM hosts are little-endian).
 edgerl::v1::Tensor Float32(const std::vector<float>& values, const std::vector<int64_t>& shape) {
@@ -129,8 +195,11 @@ int main(int argc, char** argv) {
     }
     creds = grpc::SslCredentials(ssl);
   }
-  auto channel = grpc::CreateChannel(o.server, creds);
-  auto stub = edgerl::v1::EdgePolicy::NewStub(channel);
+  // Each stream gets a channel, and with it a connection, of its own (a local subchannel pool:
+  // else a new channel shares the old one's connection, which may be the dead one).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto stub = edgerl::v1::EdgePolicy::NewStub(grpc::CreateCustomChannel(o.server, creds, args));
 
   // Describe: spaces, version and limits.
   edgerl::v1::DescribeResponse info;
@@ -153,7 +222,11 @@ int main(int argc, char** argv) {
   std::unique_ptr<Stream> stream;
   int streams = 0;
   auto open = [&]() {
-    stream.reset();  // the finished call before its context
+    stream.reset();  // the finished call before its context, and both before their channel
+    ctx.reset();
+    if (streams > 0) {
+      stub = edgerl::v1::EdgePolicy::NewStub(grpc::CreateCustomChannel(o.server, creds, args));
+    }
     ctx = std::make_unique<grpc::ClientContext>();
     AddAuth(ctx.get(), o, 3600.0);
     stream = stub->Act(ctx.get());
@@ -174,6 +247,9 @@ int main(int argc, char** argv) {
   const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0));
   const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);
+  const auto answer_timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(o.answer_timeout_s));
+  Alarm alarm;
   auto next_tick = std::chrono::steady_clock::now();
   uint64_t version = 0;
   uint64_t seq = 0;  // this stream's: 0 for its first step
@@ -193,20 +269,30 @@ int main(int argc, char** argv) {
     const auto asked = std::chrono::steady_clock::now();
     for (int attempt = 0;; ++attempt) {
       st->set_seq(seq);
-      if (stream->Write(req) && stream->Read(&resp)) break;
+      alarm.Arm(ctx.get(), std::chrono::steady_clock::now() + answer_timeout);
+      const bool answered = stream->Write(req) && stream->Read(&resp);
+      const bool overdue = alarm.Disarm();
+      if (answered && !overdue) break;  // (an answer just as the alarm went off: sent again)
       grpc::Status s = stream->Finish();
-      if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
-          std::chrono::steady_clock::now() - asked >= reconnect_for) {
+      if (overdue) {
+        std::ostringstream why;
+        why << "no answer within " << o.answer_timeout_s << " s";
+        s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
+      }
+      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE || overdue;
+      if (!transient || std::chrono::steady_clock::now() - asked >= reconnect_for) {
         return Fail(s);
       }
       std::cout << "reconnect " << ++reconnects << " after " << s.error_code() << ' '
                 << s.error_message() << std::endl;
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50 << std::min(attempt, 5), 1000)));
+      const int backoff_ms = std::min(50 << std::min(attempt, 5), 1000);
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       open();
       seq = 0;
     }
     if (resp.seq() != seq) {
-      std::cout << "ERROR protocol answer for seq " << resp.seq() << ", expected " << seq << std::endl;
+      std::cout << "ERROR protocol answer for seq " << resp.seq() << ", expected " << seq
+                << std::endl;
       return 1;
     }
     ++seq;
