@@ -120,21 +120,26 @@ class Resumed:
     def reconnects(self) -> list[str]:
         return [line for line in self.out.splitlines() if line.startswith("reconnect ")]
 
-    def assert_every_step_kept(self, steps: int) -> None:
+    def assert_every_step_kept(self, steps: int, *, joined: bool = False) -> None:
         """Every step answered once and in order; the server lost none, and each row carries
-        its own action's reward (step k's action earns k + 1) and observation."""
+        its own action's reward (step k's action earns k + 1) and observation. ``joined``: the
+        server (restarted) joined the episode midway, at the step its first row shows."""
         lines = self.out.splitlines()
         assert self.returncode == 0 and lines[-1] == f"OK steps={steps} version=0", self.out
         assert [int(m.group(1)) for m in map(STEP.match, lines) if m] == list(range(steps))
-        assert self.dropped == 0
+        assert self.dropped == 0 and self.segments
+        episode = self.segments[0].episode
         rewards: list[float] = []
         obs: list[np.ndarray] = []
         for seg in self.segments:
-            assert seg.env_id == 0 and (seg.episode, seg.t) == (0, len(rewards)), seg
+            assert seg.env_id == 0 and (seg.episode, seg.t) == (episode, len(rewards)), seg
+            assert seg.joined_mid_episode == joined, seg
             rewards += seg.rewards
             obs.append(tensors.decode(seg.obs))
-        assert len(rewards) >= 0.75 * steps and rewards == list(range(1, len(rewards) + 1))
-        k = np.arange(len(rewards))[:, None]
+        first = int(rewards[0]) - 1  # the step of the first row
+        assert (first > 0) == joined and len(rewards) >= 0.75 * (steps - first)
+        assert rewards == list(range(first + 1, first + 1 + len(rewards)))
+        k = np.arange(first, first + len(rewards))[:, None]
         np.testing.assert_allclose(np.concatenate(obs), np.sin(0.1 * k + np.arange(3)), atol=1e-5)
         tracker = EpisodeTracker()
         assemble(self.segments, None, tracker)
@@ -152,9 +157,11 @@ def _through_link(
     disturb: Callable[[ServerThread, Link], None],
     *args: str,
     delay_s: float = 0.0,
+    direct: bool = False,
 ) -> Resumed:
-    """Run the client (``args`` added) through a link to a server that keeps transitions,
-    ``disturb`` the link meanwhile, and take what the run left."""
+    """Run the client (``args`` added) through a link to a server that keeps transitions (or
+    to the server itself, ``direct``), ``disturb`` them meanwhile, and take what the run left
+    (the server's counts: the last server's, where ``disturb`` restarted it)."""
     hellos: list[tuple[bool, bool]] = []
     numbers: list[int] = []
     observe = TransitionStore.observe
@@ -174,7 +181,8 @@ def _through_link(
     monkeypatch.setattr(TransitionStore, "observe", observe_spy)
     policy = EchoPolicy(3, 2, delay_s=delay_s)
     with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
-        cmd = [str(client), "--server", f"127.0.0.1:{link.port}", *args]
+        address = srv.address if direct else f"127.0.0.1:{link.port}"
+        cmd = [str(client), "--server", address, *args]
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
             disturb(srv, link)
             out, err = proc.communicate(timeout=60)
@@ -240,3 +248,20 @@ def test_bad_timeouts_are_named(client: Path) -> None:
     for option, value in (("--answer-timeout-s", "0"), ("--reconnect-s", "-1")):
         out = _run(client, "--server", "127.0.0.1:1", option, value)
         assert out.returncode == 2 and f"{option} must be" in out.stderr, out.stderr
+
+
+def test_a_restarted_server_is_joined_mid_episode(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server stops for 0.7 s and comes back on its port (an upgrade): the client retries
+    with backoff while nothing listens, then resumes, and the new server, which holds nothing of
+    the session, marks the episode as joined midway and keeps every step from there."""
+
+    def restart(srv: ServerThread, link: Link) -> None:
+        time.sleep(0.3)
+        srv.kill()
+        time.sleep(0.7)
+        srv.restart()
+
+    run = _through_link(client, monkeypatch, restart, "--steps", "150", "--hz", "100", direct=True)
+    run.assert_every_step_kept(150, joined=True)
+    reconnects = run.reconnects()
+    assert len(reconnects) >= 2 and all(" after 14 " in line for line in reconnects), reconnects
