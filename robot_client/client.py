@@ -324,6 +324,9 @@ class EdgeClient:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", max(100, int(reconnect_backoff_max_s * 1000))),
+                # Connections of this channel's own: a new client after a link that died
+                # without closing must not be handed the dead connection of an older one.
+                ("grpc.use_local_subchannel_pool", 1),
             ],
             aio=True,
         )

@@ -205,13 +205,15 @@ class StreamKeeper(Generic[Part]):
         """Keep the stream open, reconnecting with backoff and jitter."""
         cfg = self.settings
         security = ClientSecurity(**cfg.security) if cfg.security is not None else None
-        client = EdgeClient(
-            cfg.server, timeout_s=cfg.timeout_s, security=security, reconnect_backoff_max_s=cfg.backoff_max_s
-        )
         rng = random.Random()
         backoff = cfg.backoff_initial_s
-        async with client:
-            while not self.stopping.is_set():
+        while not self.stopping.is_set():
+            # Each stream on a channel, and so a connection, of its own: where a link died
+            # without closing (an answer overdue), the old connection is dead, and a stream
+            # on the old channel would wait on it until the system's TCP timeout.
+            client = EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=security,
+                                reconnect_backoff_max_s=cfg.backoff_max_s)  # fmt: skip
+            async with client:
                 stream: ActStream | None = None
                 try:
                     # A unary call first: auth and shape errors come back with their own status.
@@ -245,10 +247,10 @@ class StreamKeeper(Generic[Part]):
                     self._live = None
                     if stream is not None:
                         await stream.close()
-                if not self.stopping.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
-                    backoff = min(2 * backoff, cfg.backoff_max_s)
+            if not self.stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
+                backoff = min(2 * backoff, cfg.backoff_max_s)
 
     async def _serve(self, stream: ActStream, live: asyncio.Queue[Part], *, join: bool) -> None:
         pending: deque[int] = deque()

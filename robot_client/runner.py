@@ -132,7 +132,7 @@ class RobotRunnerConfig:
     refill_at: int = 1
     """Ask for new actions when this many or fewer are left in the robot's queue."""
     timeout_s: float = 1.0
-    """An answer later than this ends the stream, which is reopened (seconds)."""
+    """An answer later than this ends the stream, which is reopened on a new connection (seconds)."""
     connect_timeout_s: float = 10.0
     """How long ``start`` waits for the first streams before the loop runs anyway (seconds)."""
     backoff_initial_s: float = 0.05

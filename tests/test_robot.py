@@ -296,16 +296,21 @@ def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first
 
 
 @BOTH_STREAMS
+@pytest.mark.parametrize("failure", ["reset", "silent"])
 def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_lives_on(
-    network_process: bool,
+    network_process: bool, failure: str
 ) -> None:
-    """The host's stream breaks four times (its connection reset on the way). Before, the server
-    counted each robot's answered step lost at every break and at the stop (10 here), and the
-    trainer cut the robot's episode. The host now resumes (``StreamHello.resumes``): each robot's
-    next request completes the step, or, where the request in flight at the break went
-    unanswered, goes in its place, numbered as it was (``StepObservation.obs_index``) and with
-    all the robot earned since its last answer. Every row's reward is what the robot earned until
-    its next request: one per tick, the count its next observation shows."""
+    """The host's stream breaks four times: its connection reset on the way, or gone silent (a
+    link that died without closing: the answer is overdue after ``timeout_s``). Before, the
+    server counted each robot's answered step lost at every break and at the stop (10 with the
+    resets), and the trainer cut the robot's episode; and after a silent link the host never
+    came back: each new stream went over the dead connection of the old (7 reconnects in 8 s,
+    every tick a fallback). The host now opens each stream on a connection of its own, and
+    resumes (``StreamHello.resumes``): each robot's next request completes the step, or, where
+    the request in flight at the break went unanswered, goes in its place, numbered as it was
+    (``StepObservation.obs_index``) and with all the robot earned since its last answer. Every
+    row's reward is what the robot earned until its next request: one per tick, the count its
+    next observation shows."""
     robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
     with ServerThread(EchoPolicy(3, 2), learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
         host = RobotHost(robots, _config(f"127.0.0.1:{link.port}", network_process=network_process,
@@ -314,7 +319,10 @@ def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_liv
             for _ in range(4):
                 assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
                 time.sleep(0.3)
-                srv.in_loop(link.cut)
+                before = host.reconnects
+                srv.in_loop(link.cut if failure == "reset" else link.go_silent)
+                seen = wait_until(lambda: host.reconnects > before, 10, 0.01)  # noqa: B023 - waited on here
+                assert seen, "the break went unseen"
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
             time.sleep(0.3)
 
