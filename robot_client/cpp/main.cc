@@ -10,9 +10,8 @@
 // signal, obs[i] = sin(0.1 * step + i), and whose reward is what the previous step's action
 // earned, another test signal: step k's action earns k + 1. It waits for the ActResponse
 // (at most --answer-timeout-s seconds, default 2), checks the sequence number and prints one
-// line: "step <n> version <v> obs <...> action
-// <...> queue_wait_us <us>". The last line is "OK steps=<n> version=<v>"; any
-// failure prints "ERROR <code> <message>" and exits 1.
+// line: "step <n> version <v> obs <...> action <...> queue_wait_us <us>". The last line is
+// "OK steps=<n> version=<v>"; any failure prints "ERROR <code> <message>" and exits 1.
 //
 // The loop waits for each answer: a controller that must act at every tick whatever the
 // network does runs a watchdog beside the stream, as edgerl's robot host does.
@@ -20,11 +19,11 @@
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
 // connection) or an answer is overdue (a link that died without closing its connection), the
 // client opens a new stream, on a new connection, within --reconnect-s seconds (default 10;
-// 0: never), backing off from 50 ms to 1 s, and prints "reconnect <n> after <code> <message>"
-// (code 4, DEADLINE_EXCEEDED, for an overdue answer). The new stream resumes the session
-// (StreamHello.mid_episode and resumes): the request whose answer did not come goes again,
-// numbered as before (StepObservation.obs_index, the step), so the server loses no step of
-// the episode and completes each with its own reward.
+// 0: never), backing off from 50 ms to 1 s with jitter, and prints "reconnect <n> after
+// <code> <message>" (code 4, DEADLINE_EXCEEDED, for an overdue answer). The new stream
+// resumes the session (StreamHello.mid_episode and resumes): the request whose answer did
+// not come goes again, numbered as before (StepObservation.obs_index, the step), so the
+// server loses no step of the episode and completes each with its own reward.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,6 +34,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -250,6 +250,8 @@ int main(int argc, char** argv) {
   const auto answer_timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(o.answer_timeout_s));
   Alarm alarm;
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<double> jitter(0.5, 1.0);
   auto next_tick = std::chrono::steady_clock::now();
   uint64_t version = 0;
   uint64_t seq = 0;  // this stream's: 0 for its first step
@@ -285,8 +287,9 @@ int main(int argc, char** argv) {
       }
       std::cout << "reconnect " << ++reconnects << " after " << s.error_code() << ' '
                 << s.error_message() << std::endl;
-      const int backoff_ms = std::min(50 << std::min(attempt, 5), 1000);
-      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      // Jitter: a fleet that lost its server together does not come back in lockstep.
+      const double backoff_ms = std::min(50 << std::min(attempt, 5), 1000) * jitter(rng);
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(backoff_ms));
       open();
       seq = 0;
     }
