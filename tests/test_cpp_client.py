@@ -106,12 +106,13 @@ def test_bad_option_is_named(client: Path) -> None:
 
 @dataclass
 class Resumed:
-    """What a run of the client through a :class:`Link` left: its output, what the server
-    counted lost and holds for a trainer, each stream's hello (``mid_episode``, ``resumes``)
-    and the numbers of the requests the server took in (``obs_index``), in order."""
+    """What a run of the client through a :class:`Link` left: its stdout and stderr, what the
+    server counted lost and holds for a trainer, each stream's hello (``mid_episode``,
+    ``resumes``) and the numbers of the requests the server took in (``obs_index``), in order."""
 
     returncode: int
     out: str
+    err: str
     dropped: int
     segments: list[pb.Segment]
     hellos: list[tuple[bool, bool]]
@@ -125,7 +126,7 @@ class Resumed:
         its own action's reward (step k's action earns k + 1) and observation. ``joined``: the
         server (restarted) joined the episode midway, at the step its first row shows."""
         lines = self.out.splitlines()
-        assert self.returncode == 0 and lines[-1] == f"OK steps={steps} version=0", self.out
+        assert self.returncode == 0 and lines[-1] == f"OK steps={steps} version=0", self.out + self.err
         assert [int(m.group(1)) for m in map(STEP.match, lines) if m] == list(range(steps))
         assert self.dropped == 0 and self.segments
         episode = self.segments[0].episode
@@ -187,7 +188,7 @@ def _through_link(
             disturb(srv, link)
             out, err = proc.communicate(timeout=60)
         dropped, segments = srv.lost_and_segments()
-    return Resumed(proc.returncode, out + err, dropped, segments, hellos, numbers)
+    return Resumed(proc.returncode, out, err, dropped, segments, hellos, numbers)
 
 
 def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,7 +229,7 @@ def test_an_overdue_answer_ends_the_stream_and_a_new_connection_resumes(
     args = ("--steps", "100", "--hz", "100", "--answer-timeout-s", "0.5")
     run = _through_link(client, monkeypatch, go_silent, *args)
     run.assert_every_step_kept(100)
-    assert run.reconnects() == ["reconnect 1 after 4 no answer within 0.5 s"], run.out
+    assert run.reconnects() == ["reconnect 1 after 4 no answer within 0.5 s"], run.out + run.err
 
 
 def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
