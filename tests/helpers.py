@@ -77,7 +77,8 @@ class Link:
 
     After :meth:`go_silent` it still holds the connections open through it but delivers nothing
     on them either way, as a link that died without a FIN or RST does (a robot's power cut, a
-    cable pulled, Wi-Fi out of range); new ones go through (the robot's next route).
+    cable pulled, Wi-Fi out of range); new ones go through (the robot's next route), unless
+    :attr:`mute_new` is set: then they are accepted and go silent at once (a route still down).
     :meth:`cut` resets the connections through it, as a network error does; new ones go
     through.
     """
@@ -86,6 +87,7 @@ class Link:
         self.target_port = target_port
         self.port = 0
         self._silent: set[asyncio.StreamWriter] = set()  # the writers of silenced connections
+        self.mute_new = False
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
@@ -117,6 +119,8 @@ class Link:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         self._writers += [writer, up_writer]
+        if self.mute_new:
+            self._silent.update((writer, up_writer))
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.get_running_loop().create_task(self._pump(src, dst))
             self._tasks.add(task)

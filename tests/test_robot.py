@@ -296,12 +296,13 @@ def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first
 
 
 @BOTH_STREAMS
-@pytest.mark.parametrize("failure", ["reset", "silent"])
+@pytest.mark.parametrize("failure", ["reset", "silent", "route-down"])
 def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_lives_on(
     network_process: bool, failure: str
 ) -> None:
     """The host's stream breaks four times: its connection reset on the way, or gone silent (a
-    link that died without closing: the answer is overdue after ``timeout_s``). Before, the
+    link that died without closing: the answer is overdue after ``timeout_s``), there with the
+    route down until a new connection failed too (it goes silent at once). Before, the
     server counted each robot's answered step lost at every break and at the stop (10 with the
     resets), and the trainer cut the robot's episode; and after a silent link the host never
     came back: each new stream went over the dead connection of the old (7 reconnects in 8 s,
@@ -320,9 +321,11 @@ def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_liv
                 assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
                 time.sleep(0.3)
                 before = host.reconnects
+                srv.in_loop(lambda: setattr(link, "mute_new", failure == "route-down"))
                 srv.in_loop(link.cut if failure == "reset" else link.go_silent)
-                seen = wait_until(lambda: host.reconnects > before, 10, 0.01)  # noqa: B023 - waited on here
+                seen = wait_until(lambda: host.reconnects > before + (failure == "route-down"), 10, 0.01)  # noqa: B023
                 assert seen, "the break went unseen"
+                srv.in_loop(lambda: setattr(link, "mute_new", False))
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
             time.sleep(0.3)
 

@@ -90,8 +90,9 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-// Cancels a call whose answer is overdue: armed before each step's write and read, disarmed
-// after them. (The synchronous API's reads take no deadline of their own.)
+// Cancels a call whose answer is overdue: armed when a stream opens (a connection that never
+// comes up blocks the opening) and before each step's write and read, disarmed after them.
+// (The synchronous API's writes and reads take no deadline of their own.)
 class Alarm {
  public:
   Alarm() : thread_([this] { Run(); }) {}
@@ -108,15 +109,16 @@ class Alarm {
       std::lock_guard<std::mutex> lock(mu_);
       ctx_ = ctx;
       at_ = at;
-      fired_ = false;
     }
     cv_.notify_all();
   }
-  // Whether the alarm cancelled the call.
+  // Whether the alarm cancelled the call since it was last disarmed.
   bool Disarm() {
     std::lock_guard<std::mutex> lock(mu_);
     ctx_ = nullptr;
-    return fired_;
+    const bool fired = fired_;
+    fired_ = false;
+    return fired;
   }
 
  private:
@@ -221,6 +223,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<Stream> stream;
   int streams = 0;
+  const auto answer_timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(o.answer_timeout_s));
+  Alarm alarm;  // after ctx and stream: it stops before they go
   auto open = [&]() {
     stream.reset();  // the finished call before its context, and both before their channel
     ctx.reset();
@@ -229,7 +234,8 @@ int main(int argc, char** argv) {
     }
     ctx = std::make_unique<grpc::ClientContext>();
     AddAuth(ctx.get(), o, 3600.0);
-    stream = stub->Act(ctx.get());
+    alarm.Arm(ctx.get(), std::chrono::steady_clock::now() + answer_timeout);  // to the 1st step
+    stream = stub->Act(ctx.get());  // waits for the connection
     edgerl::v1::ActRequest hello;
     auto* h = hello.mutable_hello();
     h->set_session_id(o.session);
@@ -240,16 +246,13 @@ int main(int argc, char** argv) {
     h->set_mid_episode(streams > 0);
     h->set_resumes(true);
     ++streams;
-    stream->Write(hello);  // a failure shows at the first step's write or read
+    stream->Write(hello);  // a failure (or the alarm) shows at the first step's write or read
   };
   open();
 
   const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0));
   const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);
-  const auto answer_timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(o.answer_timeout_s));
-  Alarm alarm;
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<double> jitter(0.5, 1.0);
   auto next_tick = std::chrono::steady_clock::now();
