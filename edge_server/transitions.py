@@ -113,6 +113,8 @@ class TransitionCounters:
     segments_sent: int = 0
     """Segment sends, re-sends included."""
     segments_resent: int = 0
+    """Segments queued to go out again when a trainer (re)connected; those its acknowledgements
+    then cover go unsent."""
     segments_acked: int = 0
     transitions_acked: int = 0
     transitions_dropped_overflow: int = 0
@@ -630,10 +632,20 @@ class TransitionStore:
         return generation == self._trainer_generation
 
     def ack(self, acked_seq: int, window_steps: int) -> None:
-        """The trainer took every segment up to ``acked_seq`` and accepts ``window_steps`` unacked steps."""
+        """The trainer took every segment up to ``acked_seq`` and accepts ``window_steps`` unacked steps.
+
+        Segments up to ``acked_seq`` that wait to go out again (a trainer that reconnected, whose
+        acknowledgements were lost with its stream) go too: sent again, they would fill the
+        window with segments the trainer drops as duplicates and never acknowledges again, and
+        nothing more would be sent to it."""
         while self._unacked and self._unacked[0][0] <= acked_seq:
             _, n, _ = self._unacked.popleft()
             self._unacked_steps -= n
+            self.counters.segments_acked += 1
+            self.counters.transitions_acked += n
+        while self._outgoing and self._outgoing[0][0] <= acked_seq:
+            _, n, _ = self._outgoing.popleft()
+            self._outgoing_steps -= n
             self.counters.segments_acked += 1
             self.counters.transitions_acked += n
         self._window_steps = window_steps

@@ -447,6 +447,24 @@ def test_window_resend_and_ack() -> None:
     assert store.pending_steps == 0 and store.counters.transitions_acked == 8
 
 
+def test_segments_a_reconnected_trainer_acknowledged_are_not_sent_again() -> None:
+    """The trainer took and acknowledged segments 1-3, but its acknowledgements went down with its
+    stream. Its new stream's first acknowledgement covers them: they are not sent again. Before,
+    they went out again, filled the window (here all of it), were dropped by the trainer as
+    duplicates and never acknowledged again, and nothing more was ever sent to it."""
+    store = _store(segment_steps=2)
+    h = store.open_stream("s", 2)
+    store.ack(0, 6)
+    for k in range(5):
+        _step(store, h, [0, 1], k)
+    assert [s.seq for s in store.take_sendable()] == [1, 2, 3]  # the window: 3 segments
+    store.trainer_connected()  # the acks of 1-3 were lost
+    store.ack(3, 6)  # the new stream's first message
+    assert [s.seq for s in store.take_sendable()] == [4]
+    assert store.counters.segments_resent == 3 and store.counters.segments_acked == 3
+    assert store.pending_steps == 2 and store.counters.transitions_acked == 6
+
+
 def test_drop_overflow_counts_what_it_drops() -> None:
     store = _store(segment_steps=2, max_pending_steps=4, overflow="drop")
     h = store.open_stream("s", 4)
