@@ -203,6 +203,10 @@ class EdgeServer:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Clients may ping as often as twice a second while neither side sends data (a
+            # trainer's channel does, to learn of a dead link): gRPC's default, 5 minutes,
+            # would end such a connection with GOAWAY ("too_many_pings") after three pings.
+            ("grpc.http2.min_ping_interval_without_data_ms", 500),
         ]
         if cfg.keepalive_s > 0:
             options += [

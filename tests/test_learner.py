@@ -30,6 +30,7 @@ from edgerl.trainer.feed import TransitionFeed, publish_weights, weights_request
 from edgerl.trainer.segments import segment_key
 from tests.helpers import (
     FAULT_MESSAGE,
+    Link,
     act_once,
     free_port,
     inject_fault,
@@ -172,6 +173,59 @@ def test_segments_resent_after_a_trainer_reconnect_are_taken_once() -> None:
             assert feed.reconnects >= 1
             assert feed.dedupe.duplicates >= 1  # the server did re-send the unacknowledged ones
             assert server.store is not None and server.store.counters.segments_resent >= 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("failure", ["reset", "silent"])
+def test_a_trainer_whose_link_breaks_goes_on_taking_segments(failure: str) -> None:
+    """The trainer has a full window of segments and its link to the server breaks: reset, or
+    gone silent (a link that died without closing). It takes and acknowledges them all; the
+    acknowledgements go down with the stream. Before, a silent link held the trainer for ever:
+    waiting for segments it sends nothing TCP could time out on (0 reconnects in 15 s). Its
+    channel now pings the server, which takes the pings of an idle stream (its default policy
+    ended the connection after three), and takes an unanswered ping for a dead connection. And
+    before, after either break, the trainer stalled for good: the server sent the window's
+    segments again, the trainer dropped them as duplicates and never acknowledged them again,
+    and nothing more came. The new stream's first acknowledgement now covers them, and they
+    are not sent again."""
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
+            async with Link(server.port) as link:
+                worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
+                stop = threading.Event()
+                sim = asyncio.ensure_future(worker.run(stop.is_set))
+                feed = TransitionFeed(
+                    f"127.0.0.1:{link.port}", window_steps=64, keepalive_s=0.6, keepalive_timeout_s=0.5
+                ).start()
+                taken = 0
+
+                async def take(steps: int) -> None:
+                    nonlocal taken
+                    deadline = time.monotonic() + 15.0
+                    goal = taken + steps
+                    while taken < goal:
+                        segs = await _in_thread(feed.take, 4, lambda: time.monotonic() > deadline)
+                        assert segs is not None, f"{taken} steps taken, then none in 15 s"
+                        feed.ack(max(seg.seq for seg in segs))
+                        taken += sum(len(seg.rewards) for seg in segs)
+
+                try:
+                    await take(100)
+                    assert await waited(lambda: feed.queued_steps == 64, 10.0), feed.queued_steps
+                    if failure == "silent":  # idle first, with a full window: pings only, all taken
+                        await asyncio.sleep(5.0)
+                        assert feed.reconnects == 0
+                    link.cut() if failure == "reset" else link.go_silent()
+                    await take(64)  # the window, at hand: its acknowledgements are lost
+                    await take(200)
+                finally:
+                    stop.set()
+                    await sim
+                    await _in_thread(feed.close)
+                    worker.close()
+                assert feed.reconnects >= 1
 
     run(main())
 

@@ -31,6 +31,14 @@ log = logging.getLogger(__name__)
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 
+KEEPALIVE_S = 10.0
+"""A trainer's channel pings the server after this long without a ping or data (seconds)."""
+KEEPALIVE_TIMEOUT_S = 10.0
+"""An unanswered ping closes the connection this long after it went out (seconds): a link that
+died without closing then fails the feed's call with UNAVAILABLE and the feed reconnects, where
+a trainer waiting for segments sends nothing that TCP could time out on, and would wait for
+ever."""
+
 
 class TransitionFeed:
     """Segments from the edge server, deduplicated, in order."""
@@ -43,6 +51,8 @@ class TransitionFeed:
         trainer_id: str = "",
         backoff_max_s: float = 5.0,
         security: ClientSecurity | None = None,
+        keepalive_s: float = KEEPALIVE_S,
+        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
     ) -> None:
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
@@ -58,7 +68,7 @@ class TransitionFeed:
         self.received_steps = 0
         self.reconnects = 0
         self.security = security or ClientSecurity()
-        self._channel = learner_channel(server, self.security)
+        self._channel = learner_channel(server, self.security, keepalive_s, keepalive_timeout_s)
         self._stub = pb_grpc.LearnerStub(self._channel)
         self._segments: queue.Queue[pb.Segment] = queue.Queue()
         self._queued_steps = 0
@@ -185,12 +195,31 @@ class TransitionFeed:
             self._segments.put(seg)
 
 
-def learner_channel(server: str, security: ClientSecurity | None = None) -> grpc.Channel:
-    """A (sync) channel to the edge server sized for segments and weights."""
+def learner_channel(
+    server: str,
+    security: ClientSecurity | None = None,
+    keepalive_s: float = KEEPALIVE_S,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+) -> grpc.Channel:
+    """A (sync) channel to the edge server sized for segments and weights, that pings the server
+    every ``keepalive_s`` and takes its connection for dead after ``keepalive_timeout_s``
+    without an answer (the server accepts a client's pings as often as twice a second)."""
+    if not (keepalive_s > 0 and keepalive_timeout_s > 0):
+        raise ValueError(
+            f"keepalive_s and keepalive_timeout_s must be > 0, got {keepalive_s}, {keepalive_timeout_s}"
+        )
+    timeout_ms = round(keepalive_timeout_s * 1000)
     channel: grpc.Channel = open_channel(
         server,
         security,
-        [("grpc.max_receive_message_length", _MAX_MESSAGE), ("grpc.max_send_message_length", _MAX_MESSAGE)],
+        [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms),  # gRPC 1.85 times a ping by this one
+            ("grpc.http2.max_pings_without_data", 0),  # else it stops pinging after 2 while idle
+        ],
         aio=False,
     )
     return channel
