@@ -230,6 +230,14 @@ def test_a_trainer_whose_link_breaks_goes_on_taking_segments(failure: str) -> No
     run(main())
 
 
+def test_a_feeds_bad_settings_are_named() -> None:
+    with pytest.raises(ValueError, match=r"^window_steps must be >= 1, got 0$"):
+        TransitionFeed("127.0.0.1:1", window_steps=0)
+    for every, timeout in ((0.0, 10.0), (10.0, -1.0), (float("nan"), 10.0)):
+        with pytest.raises(ValueError, match=r"^keepalive_s and keepalive_timeout_s must be > 0, got "):
+            TransitionFeed("127.0.0.1:1", window_steps=64, keepalive_s=every, keepalive_timeout_s=timeout)
+
+
 def test_a_trainer_whose_stream_a_second_trainer_took_over_fails_with_aborted() -> None:
     """Two trainers against one server: the newer takes the transition stream over, and the
     older one's stream ends with ABORTED saying why, which its feed raises. It ended with OK:
