@@ -140,6 +140,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long to wait for the server's stream before the control loop starts; the robots "
         "then run on fallbacks until it connects (the loop never waits for the server again)",
     )
+    p.add_argument(
+        "--answer-timeout-s",
+        type=POSITIVE,
+        default=RobotRunnerConfig.timeout_s,
+        help="an answer later than this ends the stream, which is reopened on a new connection (a "
+        "link that died without closing); raise it for a policy slower than this (the watchdog's "
+        "--deadline-ms still drops late actions)",
+    )
     add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
@@ -242,6 +250,7 @@ def runner_config(a: argparse.Namespace, chunk: int = 1) -> RobotRunnerConfig:
         network_cpus=parse_cpus(a.network_cpus, "--network-cpus"),
         network_spare=a.network_spare,
         faults=LinkFaults(a.delay_ms, a.jitter_ms, a.drop),
+        timeout_s=a.answer_timeout_s,
         connect_timeout_s=a.connect_timeout_s,
     )
 

@@ -211,6 +211,7 @@ def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -
         ("bench learn --seeds 0", "argument --seeds: must be >= 1, got 0"),
         ("robot --hz nan", "argument --hz: must be > 0, got nan"),
         ("robot --drop 1.5", "argument --drop: must be in [0, 1], got 1.5"),
+        ("robot --answer-timeout-s 0", "argument --answer-timeout-s: must be > 0, got 0"),
         ("train --envs 0", "argument --envs: must be >= 1, got 0"),
         # files written at the end: refused before a run of minutes or hours, not after it
         (
@@ -836,5 +837,7 @@ def test_robot_options_become_the_runner_config() -> None:
     cfg = runner_config(a)
     assert (cfg.network_process, cfg.network_cpus, cfg.watchdog.hz) == (True, (0,), 20)
     assert cfg.network_spare  # by default
+    assert cfg.timeout_s == 1.0  # by default
+    assert runner_config(parser.parse_args(["robot", "--answer-timeout-s", "4.5"])).timeout_s == 4.5
     no_spare = parser.parse_args(["robot", "--network-process", "--no-network-spare"])
     assert not runner_config(no_spare).network_spare
