@@ -638,18 +638,20 @@ class TransitionStore:
         acknowledgements were lost with its stream) go too: sent again, they would fill the
         window with segments the trainer drops as duplicates and never acknowledges again, and
         nothing more would be sent to it."""
-        while self._unacked and self._unacked[0][0] <= acked_seq:
-            _, n, _ = self._unacked.popleft()
-            self._unacked_steps -= n
-            self.counters.segments_acked += 1
-            self.counters.transitions_acked += n
-        while self._outgoing and self._outgoing[0][0] <= acked_seq:
-            _, n, _ = self._outgoing.popleft()
-            self._outgoing_steps -= n
-            self.counters.segments_acked += 1
-            self.counters.transitions_acked += n
+        self._unacked_steps -= self._drop_acked(self._unacked, acked_seq)
+        self._outgoing_steps -= self._drop_acked(self._outgoing, acked_seq)
         self._window_steps = window_steps
         self._notify()
+
+    def _drop_acked(self, held: collections.deque[tuple[int, int, pb.Segment]], acked_seq: int) -> int:
+        """Drop the segments up to ``acked_seq`` from the front of ``held``; their env steps."""
+        steps = 0
+        while held and held[0][0] <= acked_seq:
+            _, n, _ = held.popleft()
+            steps += n
+            self.counters.segments_acked += 1
+        self.counters.transitions_acked += steps
+        return steps
 
     def take_sendable(self) -> list[pb.Segment]:
         """Segments that fit in the trainer's window now (moved to unacknowledged)."""
