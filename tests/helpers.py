@@ -24,6 +24,8 @@ import pytest
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
+from edgerl.edge_server.transitions import StreamHandle, TransitionStore
+from edgerl.edge_server.validation import StreamSpec, check_hello
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions, EdgeClient
@@ -132,6 +134,35 @@ class Link:
                 if dst not in self._silent:  # silent: read and dropped, so the sender's writes still succeed
                     dst.write(data)
                     await dst.drain()
+
+
+def hellos_checked(monkeypatch: pytest.MonkeyPatch) -> list[pb.StreamHello]:
+    """Every stream hello the server checks from now on, in order (for the test's duration)."""
+    seen: list[pb.StreamHello] = []
+
+    def spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
+        seen.append(hello)
+        return check_hello(hello, *args)
+
+    monkeypatch.setattr("edgerl.edge_server.service.check_hello", spy)
+    return seen
+
+
+def request_numbers_taken(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
+    """Each env's request numbers (``StepObservation.obs_index``) as the transition store takes
+    them in, in order, from now on; -1 for a row whose message gave none."""
+    numbers: dict[int, list[int]] = {}
+    observe = TransitionStore.observe
+
+    def spy(self: TransitionStore, handle: StreamHandle, env_ids: np.ndarray, *args: Any, **kw: Any) -> None:
+        index = kw["obs_index"]
+        told = [-1] * len(env_ids) if index is None else index.tolist()
+        for e, i in zip(env_ids.tolist(), told, strict=True):
+            numbers.setdefault(e, []).append(i)
+        observe(self, handle, env_ids, *args, **kw)
+
+    monkeypatch.setattr(TransitionStore, "observe", spy)
+    return numbers
 
 
 @contextlib.asynccontextmanager

@@ -36,6 +36,7 @@ from tests.helpers import (
     first_spawn_runs_on,
     free_port,
     refused_hellos,
+    request_numbers_taken,
     run,
     run_a_later_grpc_loop,
     running_server,
@@ -265,17 +266,7 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
     step is lost, each env's segments follow one another without a gap, and no episode is cut.
     Each env's messages are numbered 0, 1, 2, ... (``StepObservation.obs_index``), and one sent
     again on a new stream keeps its number."""
-    numbers: dict[int, list[int]] = {}
-    observe = TransitionStore.observe
-
-    def spy(self: TransitionStore, handle: StreamHandle, env_ids: np.ndarray, *args: Any, **kw: Any) -> None:
-        index = kw["obs_index"]
-        assert index is not None
-        for e, i in zip(env_ids.tolist(), index.tolist(), strict=True):
-            numbers.setdefault(e, []).append(i)
-        observe(self, handle, env_ids, *args, **kw)
-
-    monkeypatch.setattr(TransitionStore, "observe", spy)
+    numbers = request_numbers_taken(monkeypatch)
     with _breakable(transport, tmp_path, TransitionConfig(segment_steps=4)) as (server, worker, cut):
         with stepping(worker) as result:
             for _ in range(4):

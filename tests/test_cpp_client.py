@@ -11,18 +11,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
-from edgerl.edge_server.transitions import StreamHandle, TransitionConfig, TransitionStore
-from edgerl.edge_server.validation import StreamSpec, check_hello
+from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto import tensors
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.trainer.segments import EpisodeTracker, assemble
-from tests.helpers import EchoPolicy, Link, ServerThread
+from tests.helpers import EchoPolicy, Link, ServerThread, hellos_checked, request_numbers_taken
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "cpp"
@@ -163,23 +161,8 @@ def _through_link(
     """Run the client (``args`` added) through a link to a server that keeps transitions (or
     to the server itself, ``direct``), ``disturb`` them meanwhile, and take what the run left
     (the server's counts: the last server's, where ``disturb`` restarted it)."""
-    hellos: list[tuple[bool, bool]] = []
-    numbers: list[int] = []
-    observe = TransitionStore.observe
-
-    def hello_spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
-        hellos.append((hello.mid_episode, hello.resumes))
-        return check_hello(hello, *args)
-
-    def observe_spy(
-        self: TransitionStore, handle: StreamHandle, env_ids: np.ndarray, *args: Any, **kw: Any
-    ) -> None:
-        index = kw["obs_index"]
-        numbers.extend([] if index is None else index.tolist())
-        observe(self, handle, env_ids, *args, **kw)
-
-    monkeypatch.setattr("edgerl.edge_server.service.check_hello", hello_spy)
-    monkeypatch.setattr(TransitionStore, "observe", observe_spy)
+    hellos = hellos_checked(monkeypatch)
+    numbers = request_numbers_taken(monkeypatch)
     policy = EchoPolicy(3, 2, delay_s=delay_s)
     with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv, srv.link() as link:
         address = srv.address if direct else f"127.0.0.1:{link.port}"
@@ -188,7 +171,8 @@ def _through_link(
             disturb(srv, link)
             out, err = proc.communicate(timeout=60)
         dropped, segments = srv.lost_and_segments()
-    return Resumed(proc.returncode, out, err, dropped, segments, hellos, numbers)
+    said = [(h.mid_episode, h.resumes) for h in hellos]
+    return Resumed(proc.returncode, out, err, dropped, segments, said, numbers.get(0, []))
 
 
 def test_a_broken_stream_resumes_and_loses_no_step(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:

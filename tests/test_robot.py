@@ -21,13 +21,11 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.edge_server.validation import StreamSpec, check_hello
 from edgerl.launch.bench_robot import BenchRobotConfig
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
 from edgerl.proto import tensors
-from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.bags import read_bag
 from edgerl.robot_client.netproc import HUNG_AFTER_S
 from edgerl.robot_client.robot import Robot, RobotKind, RobotState, load_robot
@@ -48,6 +46,7 @@ from tests.helpers import (
     EchoPolicy,
     ServerThread,
     check_machine_block,
+    hellos_checked,
     run_a_later_grpc_loop,
     unclosed_resources,
     wait_until,
@@ -229,13 +228,7 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume(
 ) -> None:
     robots = [CounterRobot(f"c{i}", rid=i) for i in range(2)]
     kinds: list[list[TickKind]] = [[], []]
-    mid_episode: list[bool] = []  # what each stream's hello said
-
-    def spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
-        mid_episode.append(hello.mid_episode)
-        return check_hello(hello, *args)
-
-    monkeypatch.setattr("edgerl.edge_server.service.check_hello", spy)
+    hellos = hellos_checked(monkeypatch)
 
     def record(i: int, tick: Tick, reading: Any, was_reset: bool) -> None:
         kinds[i].append(tick.kind)
@@ -265,6 +258,7 @@ def test_server_killed_robots_keep_rate_fall_back_and_resume(
         assert tail.count(TickKind.POLICY) >= 0.8 * len(tail), tail
         assert host.reconnects >= 1
     # The robots stepped on through the outage: the restarted server is told they are mid-episode.
+    mid_episode = [h.mid_episode for h in hellos]  # what each stream's hello said
     assert mid_episode[0] is False and len(mid_episode) >= 2 and all(mid_episode[1:]), mid_episode
 
 
@@ -275,13 +269,7 @@ def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first
     """No stream within ``connect_timeout_s``: the loop runs the robots on fallbacks, so when the
     server comes their episodes are under way, and the first stream says so, not only later ones
     (its hello said otherwise, and a trainer logged the episodes' tails as whole ones)."""
-    mid_episode: list[bool] = []
-
-    def spy(hello: pb.StreamHello, *args: Any) -> StreamSpec:
-        mid_episode.append(hello.mid_episode)
-        return check_hello(hello, *args)
-
-    monkeypatch.setattr("edgerl.edge_server.service.check_hello", spy)
+    hellos = hellos_checked(monkeypatch)
     with ServerThread(EchoPolicy(3, 2)) as srv:
         srv.kill()
         cfg = _config(srv.address, network_process=network_process, connect_timeout_s=0.2)
@@ -292,6 +280,7 @@ def test_robots_whose_loop_began_without_a_stream_say_mid_episode_on_their_first
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
             (s,) = host.stats()
     assert s["ticks"] > 0 and s["fallbacks"] > 0
+    mid_episode = [h.mid_episode for h in hellos]
     assert mid_episode and all(mid_episode), mid_episode
 
 
