@@ -171,6 +171,12 @@ int Fail(const grpc::Status& s) {
   return 1;
 }
 
+// A span of the steady clock from seconds.
+std::chrono::steady_clock::duration Seconds(double s) {
+  using std::chrono::duration;
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(duration<double>(s));
+}
+
 void AddAuth(grpc::ClientContext* ctx, const Options& o, double deadline_s) {
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
@@ -223,8 +229,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<Stream> stream;
   int streams = 0;
-  const auto answer_timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(o.answer_timeout_s));
+  const auto answer_timeout = Seconds(o.answer_timeout_s);
   Alarm alarm;  // after ctx and stream: it stops before they go
   auto open = [&]() {
     stream.reset();  // the finished call before its context, and both before their channel
@@ -250,9 +255,8 @@ int main(int argc, char** argv) {
   };
   open();
 
-  const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(o.hz > 0 ? 1.0 / o.hz : 0.0));
-  const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);
+  const auto period = Seconds(o.hz > 0 ? 1.0 / o.hz : 0.0);
+  const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);  // any size
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<double> jitter(0.5, 1.0);
   auto next_tick = std::chrono::steady_clock::now();
