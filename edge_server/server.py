@@ -22,6 +22,7 @@ from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
+from edgerl.proto.keepalive import keepalive_options
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -209,12 +210,7 @@ class EdgeServer:
             ("grpc.http2.min_ping_interval_without_data_ms", 500),
         ]
         if cfg.keepalive_s > 0:
-            options += [
-                ("grpc.keepalive_time_ms", round(cfg.keepalive_s * 1000)),
-                ("grpc.keepalive_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
-                # what gRPC 1.85 times an unanswered ping by (its default, 60 s, wins otherwise)
-                ("grpc.http2.ping_timeout_ms", round(cfg.keepalive_timeout_s * 1000)),
-            ]
+            options += keepalive_options(cfg.keepalive_s, cfg.keepalive_timeout_s)
         server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
         pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
         services = [SERVICE_NAME]

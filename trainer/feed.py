@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from edgerl.proto import tensors
+from edgerl.proto.keepalive import keepalive_options
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -208,16 +209,13 @@ def learner_channel(
         raise ValueError(
             f"keepalive_s and keepalive_timeout_s must be > 0, got {keepalive_s}, {keepalive_timeout_s}"
         )
-    timeout_ms = round(keepalive_timeout_s * 1000)
     channel: grpc.Channel = open_channel(
         server,
         security,
         [
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
-            ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", timeout_ms),
-            ("grpc.http2.ping_timeout_ms", timeout_ms),  # gRPC 1.85 times a ping by this one
+            *keepalive_options(keepalive_s, keepalive_timeout_s),
             ("grpc.http2.max_pings_without_data", 0),  # else it stops pinging after 2 while idle
         ],
         aio=False,
