@@ -509,12 +509,10 @@ def pid_echo_built_in(index: int, build_s: float) -> PolicyBackend:
     return PidEcho(4, 2)
 
 
-def run_a_later_grpc_loop() -> None:
-    """Run a second event loop that uses gRPC (a call to a port nobody serves, then half a
-    second), as the next task of a process would. Where an earlier loop left a gRPC completion
-    pending, it arrives now, into that closed loop, and asyncio logs "Event loop is closed"
-    (grpc/grpc#26887)."""
-    from edgerl.robot_client import errors
+def _run_a_later_grpc_loop() -> None:
+    """Run an event loop that uses gRPC (a call to a port nobody serves, then half a second), as
+    the next task of a process would. Where an earlier loop left a gRPC completion pending, it
+    arrives now, into that closed loop, and asyncio logs "Event loop is closed" (grpc/grpc#26887)."""
 
     async def later() -> None:
         async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
@@ -523,6 +521,21 @@ def run_a_later_grpc_loop() -> None:
         await asyncio.sleep(0.5)
 
     asyncio.run(later())
+
+
+@contextlib.contextmanager
+def nothing_left_for_a_later_loop(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Assert that the block's event loops leave no gRPC completion pending: one that arrives
+    after its loop has closed makes the next loop using gRPC log "Event loop is closed".
+
+    A loop run first takes what earlier tests left pending, and the log starts empty, so that
+    only the block's own leftovers count, not an earlier test's. The block may read
+    ``caplog.text`` for its own records."""
+    _run_a_later_grpc_loop()
+    caplog.clear()
+    yield
+    _run_a_later_grpc_loop()
+    assert "Event loop is closed" not in caplog.text
 
 
 def check_machine_block(result: dict[str, Any]) -> None:

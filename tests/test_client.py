@@ -35,10 +35,10 @@ from tests.helpers import (
     Spawned,
     first_spawn_runs_on,
     free_port,
+    nothing_left_for_a_later_loop,
     refused_hellos,
     request_numbers_taken,
     run,
-    run_a_later_grpc_loop,
     running_server,
     stepping,
     steps_on,
@@ -661,15 +661,13 @@ def test_wait_ready_gives_up_leaving_nothing_pending_for_a_later_loop(
         async with EdgeClient("127.0.0.1:1") as client:
             await client.wait_ready(timeout_s=0.5)
 
-    t0 = time.monotonic()
-    with pytest.raises(
-        errors.ServerUnavailableError, match=re.escape("no server at 127.0.0.1:1 within 0.5s")
-    ):
-        asyncio.run(no_server())  # the loop ends with the wait it gave up on
-    assert time.monotonic() - t0 > 0.45
-
-    run_a_later_grpc_loop()
-    assert "Event loop is closed" not in caplog.text
+    with nothing_left_for_a_later_loop(caplog):
+        t0 = time.monotonic()
+        with pytest.raises(
+            errors.ServerUnavailableError, match=re.escape("no server at 127.0.0.1:1 within 0.5s")
+        ):
+            asyncio.run(no_server())  # the loop ends with the wait it gave up on
+        assert time.monotonic() - t0 > 0.45
 
 
 def test_wait_ready_ended_by_should_stop_returns_false_leaving_nothing_pending(
@@ -680,11 +678,10 @@ def test_wait_ready_ended_by_should_stop_returns_false_leaving_nothing_pending(
         async with EdgeClient("127.0.0.1:1") as client:
             return await client.wait_ready(timeout_s=30.0, should_stop=lambda: time.monotonic() > stop_at)
 
-    t0 = time.monotonic()
-    assert asyncio.run(stopped()) is False
-    assert 0.55 < time.monotonic() - t0 < 5.0  # told at 0.6 s, not at the 30 s timeout
-    run_a_later_grpc_loop()
-    assert "Event loop is closed" not in caplog.text
+    with nothing_left_for_a_later_loop(caplog):
+        t0 = time.monotonic()
+        assert asyncio.run(stopped()) is False
+        assert 0.55 < time.monotonic() - t0 < 5.0  # told at 0.6 s, not at the 30 s timeout
 
 
 def test_wait_ready_returns_once_the_server_serves() -> None:

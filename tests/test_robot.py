@@ -47,7 +47,7 @@ from tests.helpers import (
     ServerThread,
     check_machine_block,
     hellos_checked,
-    run_a_later_grpc_loop,
+    nothing_left_for_a_later_loop,
     unclosed_resources,
     wait_until,
 )
@@ -746,18 +746,16 @@ KIND = RobotKind.of([CounterRobot()])
 def test_the_chunk_is_one_when_no_server_answers(caplog: pytest.LogCaptureFixture) -> None:
     from edgerl.launch.robot import ask_server
 
-    assert ask_server("127.0.0.1:1", None, KIND, timeout_s=0.5) == 1
-    assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
-    # not waiting (the deadline and refill were given): no wait, and no warning
-    caplog.clear()
-    t0 = time.monotonic()
-    assert ask_server("127.0.0.1:1", None, KIND, timeout_s=30.0, wait=False) == 1
-    assert time.monotonic() - t0 < 5.0 and "could not ask" not in caplog.text
-
     # nothing of the call it gave up on reaches a later event loop (grpc/grpc#26887: a
     # connectivity watch given up on completes later, into the closed loop)
-    run_a_later_grpc_loop()
-    assert "Event loop is closed" not in caplog.text
+    with nothing_left_for_a_later_loop(caplog):
+        assert ask_server("127.0.0.1:1", None, KIND, timeout_s=0.5) == 1
+        assert "could not ask 127.0.0.1:1 for its action chunk within 0.5s" in caplog.text
+        # not waiting (the deadline and refill were given): no wait, and no warning
+        caplog.clear()
+        t0 = time.monotonic()
+        assert ask_server("127.0.0.1:1", None, KIND, timeout_s=30.0, wait=False) == 1
+        assert time.monotonic() - t0 < 5.0 and "could not ask" not in caplog.text
 
 
 def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -765,31 +763,30 @@ def test_a_stop_ends_the_waits_for_an_absent_server_at_once(caplog: pytest.LogCa
     SIGTERM (``should_stop``) ends either wait, however long it may last."""
     from edgerl.launch.robot import ask_server
 
-    t0 = time.monotonic()
-    assert (
-        ask_server(
-            "127.0.0.1:1",
-            None,
-            KIND,
-            timeout_s=30.0,
-            should_stop=lambda: time.monotonic() > t0 + 0.5,
+    with nothing_left_for_a_later_loop(caplog):
+        t0 = time.monotonic()
+        assert (
+            ask_server(
+                "127.0.0.1:1",
+                None,
+                KIND,
+                timeout_s=30.0,
+                should_stop=lambda: time.monotonic() > t0 + 0.5,
+            )
+            == 1
         )
-        == 1
-    )
-    assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the probe may take
-    assert "could not ask" not in caplog.text  # stopped: no warning that the server is missing
+        assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the probe may take
+        assert "could not ask" not in caplog.text  # stopped: no warning that the server is missing
 
-    host = RobotHost([CounterRobot()], _config("127.0.0.1:1", connect_timeout_s=30.0))
-    t0 = time.monotonic()
-    try:
-        host.start(should_stop=lambda: time.monotonic() > t0 + 0.5)
-        assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the stream may take
-    finally:
-        host.stop()
-    assert host.stats()[0]["ticks"] == 0  # the loop never started: not even a fallback applied
-    assert "no stream to" not in caplog.text
-    run_a_later_grpc_loop()
-    assert "Event loop is closed" not in caplog.text
+        host = RobotHost([CounterRobot()], _config("127.0.0.1:1", connect_timeout_s=30.0))
+        t0 = time.monotonic()
+        try:
+            host.start(should_stop=lambda: time.monotonic() > t0 + 0.5)
+            assert 0.45 < time.monotonic() - t0 < 5.0  # not the 30 s the stream may take
+        finally:
+            host.stop()
+        assert host.stats()[0]["ticks"] == 0  # the loop never started: not even a fallback applied
+        assert "no stream to" not in caplog.text
 
 
 def _cheetah_server() -> ServerThread:
