@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -53,65 +54,75 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+@contextlib.asynccontextmanager
+async def _sim(address: str, seed: int, num_envs: int = 4) -> AsyncIterator[SimWorker]:
+    """A sim worker of ``num_envs`` envs stepping against ``address`` on this loop during the
+    block; stopped, its run awaited, and closed at its end."""
+    worker = SimWorker(SimWorkerConfig(server=address, env_name=ENV, num_envs=num_envs, seed=seed))
+    stop = threading.Event()
+    sim = asyncio.ensure_future(worker.run(stop.is_set))
+    try:
+        yield worker
+    finally:
+        stop.set()
+        await sim
+        worker.close()
+
+
 def test_trainer_takes_segments_and_a_publish_changes_the_served_version() -> None:
     async def main() -> None:
         learner = TransitionConfig(segment_steps=8)
         async with running_server(_backend(), learner=learner) as server:
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=1))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
             feed = TransitionFeed(server.address, window_steps=64).start()
             try:
-                segs = await _in_thread(feed.take, 64)
-                assert sum(len(s.rewards) for s in segs) >= 64
-                assert {len(s.rewards) for s in segs} == {8}
-                assert len({segment_key(s) for s in segs}) == len(segs)
-                assert all(v == 0 for s in segs for v in s.policy_versions)
-                assert any(v != 0.0 for s in segs for v in s.values)  # the served critic ran
-                feed.ack(max(s.seq for s in segs))
+                async with _sim(server.address, seed=1):
+                    segs = await _in_thread(feed.take, 64)
+                    assert sum(len(s.rewards) for s in segs) >= 64
+                    assert {len(s.rewards) for s in segs} == {8}
+                    assert len({segment_key(s) for s in segs}) == len(segs)
+                    assert all(v == 0 for s in segs for v in s.policy_versions)
+                    assert any(v != 0.0 for s in segs for v in s.values)  # the served critic ran
+                    feed.ack(max(s.seq for s in segs))
 
-                # Publish different weights as version 1: served actions change and carry it.
-                obs = np.zeros((1, 4), np.float32)
-                async with EdgeClient(server.address) as client:
-                    before = await client.act(obs)
-                    channel = grpc.insecure_channel(server.address)
-                    stub = pb_grpc.LearnerStub(channel)
-                    other = _backend(seed=7).policy.state_dict()
-                    resp = await _in_thread(publish_weights, stub, other, 1)
-                    assert resp.applied and resp.policy_version == 1
-                    after = await client.act(obs)
-                    assert after.policy_version == 1 and before.policy_version == 0
-                    assert (await client.describe()).policy_version == 1
-                    # Versions never go back.
-                    with pytest.raises(
-                        errors.FailedPreconditionError, match="greater than the served version 1"
-                    ):
-                        await _in_thread(publish_weights, stub, other, 1)
-                    bad = dict(other)
-                    bad["critic.0.weight"] = bad["critic.0.weight"][:, :2]
-                    with pytest.raises(errors.InvalidArgumentError, match=r"critic.0.weight"):
-                        await _in_thread(publish_weights, stub, bad, 2)
-                    nan = dict(other)
-                    nan["actor_mean.0.weight"] = nan["actor_mean.0.weight"].clone()
-                    nan["actor_mean.0.weight"][0, 0] = float("nan")
-                    with pytest.raises(errors.InvalidArgumentError, match=r"actor_mean.0.weight.*NaN"):
-                        await _in_thread(publish_weights, stub, nan, 2)
-                    assert (await client.describe()).policy_version == 1
-                    channel.close()
-                # New segments carry the new version after the publish.
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    more = await _in_thread(feed.take, 32)
-                    feed.ack(max(s.seq for s in more))
-                    if any(v == 1 for s in more for v in s.policy_versions):
-                        break
-                else:
-                    pytest.fail("no transition stamped with version 1 arrived")
+                    # Publish different weights as version 1: served actions change and carry it.
+                    obs = np.zeros((1, 4), np.float32)
+                    async with EdgeClient(server.address) as client:
+                        before = await client.act(obs)
+                        channel = grpc.insecure_channel(server.address)
+                        stub = pb_grpc.LearnerStub(channel)
+                        other = _backend(seed=7).policy.state_dict()
+                        resp = await _in_thread(publish_weights, stub, other, 1)
+                        assert resp.applied and resp.policy_version == 1
+                        after = await client.act(obs)
+                        assert after.policy_version == 1 and before.policy_version == 0
+                        assert (await client.describe()).policy_version == 1
+                        # Versions never go back.
+                        with pytest.raises(
+                            errors.FailedPreconditionError, match="greater than the served version 1"
+                        ):
+                            await _in_thread(publish_weights, stub, other, 1)
+                        bad = dict(other)
+                        bad["critic.0.weight"] = bad["critic.0.weight"][:, :2]
+                        with pytest.raises(errors.InvalidArgumentError, match=r"critic.0.weight"):
+                            await _in_thread(publish_weights, stub, bad, 2)
+                        nan = dict(other)
+                        nan["actor_mean.0.weight"] = nan["actor_mean.0.weight"].clone()
+                        nan["actor_mean.0.weight"][0, 0] = float("nan")
+                        with pytest.raises(errors.InvalidArgumentError, match=r"actor_mean.0.weight.*NaN"):
+                            await _in_thread(publish_weights, stub, nan, 2)
+                        assert (await client.describe()).policy_version == 1
+                        channel.close()
+                    # New segments carry the new version after the publish.
+                    deadline = time.monotonic() + 30
+                    while time.monotonic() < deadline:
+                        more = await _in_thread(feed.take, 32)
+                        feed.ack(max(s.seq for s in more))
+                        if any(v == 1 for s in more for v in s.policy_versions):
+                            break
+                    else:
+                        pytest.fail("no transition stamped with version 1 arrived")
             finally:
-                stop.set()
-                await sim
                 await _in_thread(feed.close)  # the server runs on this loop
-                worker.close()
             st = await _stats(server.address)
             assert st.transitions > 64 and st.segments_acked > 8
             assert st.weight_publishes == 1
@@ -149,25 +160,20 @@ async def _stats(address: str) -> pb.StatsResponse:
 def test_segments_resent_after_a_trainer_reconnect_are_taken_once() -> None:
     async def main() -> None:
         async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
             feed = TransitionFeed(server.address, window_steps=64).start()
             try:
-                first = await _in_thread(feed.take, 16)  # taken, not acknowledged
-                while feed.received_steps < 64:  # the rest of the window arrives, unacknowledged
-                    await asyncio.sleep(0.05)
-                assert feed._call is not None
-                feed._call.cancel()  # the stream breaks; the feed reconnects
-                while feed.reconnects == 0 or feed.dedupe.duplicates == 0:
-                    await asyncio.sleep(0.05)
-                feed.ack(max(s.seq for s in first))
-                rest = await _in_thread(feed.take, 64)
+                async with _sim(server.address, seed=2):
+                    first = await _in_thread(feed.take, 16)  # taken, not acknowledged
+                    while feed.received_steps < 64:  # the rest of the window arrives, unacknowledged
+                        await asyncio.sleep(0.05)
+                    assert feed._call is not None
+                    feed._call.cancel()  # the stream breaks; the feed reconnects
+                    while feed.reconnects == 0 or feed.dedupe.duplicates == 0:
+                        await asyncio.sleep(0.05)
+                    feed.ack(max(s.seq for s in first))
+                    rest = await _in_thread(feed.take, 64)
             finally:
-                stop.set()
-                await sim
                 await _in_thread(feed.close)
-                worker.close()
             keys = [segment_key(s) for s in first + rest]
             assert len(keys) == len(set(keys))  # every transition taken once
             assert feed.reconnects >= 1
@@ -193,9 +199,6 @@ def test_a_trainer_whose_link_breaks_goes_on_taking_segments(failure: str) -> No
     async def main() -> None:
         async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
             async with Link(server.port) as link:
-                worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
-                stop = threading.Event()
-                sim = asyncio.ensure_future(worker.run(stop.is_set))
                 feed = TransitionFeed(
                     f"127.0.0.1:{link.port}", window_steps=64, keepalive_s=0.6, keepalive_timeout_s=0.5
                 ).start()
@@ -212,19 +215,17 @@ def test_a_trainer_whose_link_breaks_goes_on_taking_segments(failure: str) -> No
                         taken += sum(len(seg.rewards) for seg in segs)
 
                 try:
-                    await take(100)
-                    assert await waited(lambda: feed.queued_steps == 64, 10.0), feed.queued_steps
-                    if failure == "silent":  # idle first, with a full window: pings only, all taken
-                        await asyncio.sleep(5.0)
-                        assert feed.reconnects == 0
-                    link.cut() if failure == "reset" else link.go_silent()
-                    await take(64)  # the window, at hand: its acknowledgements are lost
-                    await take(200)
+                    async with _sim(server.address, seed=2):
+                        await take(100)
+                        assert await waited(lambda: feed.queued_steps == 64, 10.0), feed.queued_steps
+                        if failure == "silent":  # idle first, with a full window: pings only, all taken
+                            await asyncio.sleep(5.0)
+                            assert feed.reconnects == 0
+                        link.cut() if failure == "reset" else link.go_silent()
+                        await take(64)  # the window, at hand: its acknowledgements are lost
+                        await take(200)
                 finally:
-                    stop.set()
-                    await sim
                     await _in_thread(feed.close)
-                    worker.close()
                 assert feed.reconnects >= 1
 
     run(main())
@@ -246,30 +247,29 @@ def test_a_trainer_whose_stream_a_second_trainer_took_over_fails_with_aborted() 
 
     async def main() -> None:
         async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=2))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
             older = TransitionFeed(server.address, window_steps=64, trainer_id="older").start()
             newer: TransitionFeed | None = None
             try:
-                await _in_thread(older.take, 16)
-                newer = TransitionFeed(server.address, window_steps=64, trainer_id="newer").start()
-                deadline = time.monotonic() + 30.0
-                with pytest.raises(errors.AbortedError) as info:  # or take() gives None at the deadline
-                    while await _in_thread(older.take, 4, lambda: time.monotonic() > deadline) is not None:
-                        pass
-                assert info.value.details == (
-                    "a newer trainer stream took the transitions over (is a second trainer "
-                    "connected to this server?)"
-                )
-                for _ in range(3):  # the newer one takes on
-                    taken = await _in_thread(newer.take, 16)
-                    newer.ack(max(seg.seq for seg in taken))
-                assert (older.reconnects, newer.reconnects) == (0, 0)
+                async with _sim(server.address, seed=2):
+                    await _in_thread(older.take, 16)
+                    newer = TransitionFeed(server.address, window_steps=64, trainer_id="newer").start()
+                    deadline = time.monotonic() + 30.0
+
+                    def late() -> bool:
+                        return time.monotonic() > deadline
+
+                    with pytest.raises(errors.AbortedError) as info:  # or take() gives None at the deadline
+                        while await _in_thread(older.take, 4, late) is not None:
+                            pass
+                    assert info.value.details == (
+                        "a newer trainer stream took the transitions over (is a second trainer "
+                        "connected to this server?)"
+                    )
+                    for _ in range(3):  # the newer one takes on
+                        taken = await _in_thread(newer.take, 16)
+                        newer.ack(max(seg.seq for seg in taken))
+                    assert (older.reconnects, newer.reconnects) == (0, 0)
             finally:
-                stop.set()
-                await sim
-                worker.close()
                 await _in_thread(older.close)
                 if newer is not None:
                     await _in_thread(newer.close)
@@ -286,10 +286,7 @@ def test_acks_given_just_before_close_reach_the_server() -> None:
         async with running_server(_backend(), learner=TransitionConfig(segment_steps=4)) as server:
             store = server.store
             assert store is not None
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=4))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
-            try:
+            async with _sim(server.address, seed=4):
                 for _ in range(5):
                     feed = TransitionFeed(server.address, window_steps=64).start()
                     segs = await _in_thread(feed.take, 8)
@@ -299,10 +296,6 @@ def test_acks_given_just_before_close_reach_the_server() -> None:
                     await _in_thread(feed.close)
                     assert feed._call.code() == grpc.StatusCode.OK  # the server ended it, not a cancel
                     assert store.counters.segments_acked == last  # seqs start at 1, acked in order
-            finally:
-                stop.set()
-                await sim
-                worker.close()
 
         # a port where nothing listens: the call waits for a server
         feed = TransitionFeed(f"127.0.0.1:{free_port()}", window_steps=64).start()
@@ -349,15 +342,9 @@ def test_a_backlog_goes_out_in_messages_that_fit_and_an_ack_of_an_unsent_segment
         async with running_server(_backend(), learner=learner, max_message_bytes=4096) as server:
             store = server.store
             assert store is not None
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=4, seed=1))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
-            try:  # 40 segments of 2 steps, ~9 KiB: more than one message
+            # 40 segments of 2 steps, ~9 KiB: more than one message
+            async with _sim(server.address, seed=1):
                 assert await waited(lambda: store.next_seq > 40, timeout_s=30), store.next_seq
-            finally:
-                stop.set()
-                await sim
-                worker.close()
             # its close cuts the envs' last, short segments
             assert await waited(lambda: not server.servicer.active_streams, timeout_s=10)
             held = store.next_seq - 1
@@ -424,10 +411,8 @@ def test_a_trainer_gone_with_segments_unread_is_let_go_quietly_and_its_segments_
         async with running_server(_backend(), learner=TransitionConfig()) as server:
             store = server.store
             assert store is not None
-            worker = SimWorker(SimWorkerConfig(server=server.address, env_name=ENV, num_envs=16, seed=3))
-            stop = threading.Event()
-            sim = asyncio.ensure_future(worker.run(stop.is_set))
-            try:  # 150 segments, ~1.5 KiB each: more than the trainer's 64 KiB window takes
+            # 150 segments, ~1.5 KiB each: more than the trainer's 64 KiB window takes
+            async with _sim(server.address, seed=3, num_envs=16):
                 assert await waited(lambda: store.next_seq > 150, timeout_s=60), store.next_seq
                 # with BDP probing off, the trainer's window stays at HTTP/2's initial 64 KiB
                 channel = grpc.aio.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
@@ -443,10 +428,6 @@ def test_a_trainer_gone_with_segments_unread_is_let_go_quietly_and_its_segments_
                     while len(seqs) < 150:
                         seqs += [seg.seq for seg in (await call.read()).segments]
                     assert seqs[:150] == list(range(1, 151))  # none acknowledged: all resent, in order
-            finally:
-                stop.set()
-                await sim
-                worker.close()
             assert store.counters.segments_resent >= 1
 
     run_without_warnings(main(), caplog)
