@@ -529,11 +529,15 @@ def nothing_left_for_a_later_loop(caplog: pytest.LogCaptureFixture) -> Iterator[
     after its loop has closed makes the next loop using gRPC log "Event loop is closed".
 
     A loop run first takes what earlier tests left pending, and the log starts empty, so that
-    only the block's own leftovers count, not an earlier test's. The block may read
-    ``caplog.text`` for its own records."""
+    only the block's own leftovers count, not an earlier test's. A call still open when its loop
+    ended lets go of its operations when it is collected, which the cyclic collector may do at
+    any time: each side collects first, so that such a call is found where it was left. The
+    block may read ``caplog.text`` for its own records."""
+    gc.collect()
     _run_a_later_grpc_loop()
     caplog.clear()
     yield
+    gc.collect()
     _run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
 
