@@ -80,7 +80,8 @@ class Link:
     After :meth:`go_silent` it still holds the connections open through it but delivers nothing
     on them either way, as a link that died without a FIN or RST does (a robot's power cut, a
     cable pulled, Wi-Fi out of range); new ones go through (the robot's next route), unless
-    :attr:`mute_new` is set: then they are accepted and go silent at once (a route still down).
+    :attr:`mute_new` is set (from any thread): then they are accepted and go silent at once (a
+    route still down).
     :meth:`cut` resets the connections through it, as a network error does; new ones go
     through.
     """

@@ -210,10 +210,10 @@ def test_an_overdue_answer_ends_the_stream_and_a_new_connection_resumes(
 
     def go_silent(srv: ServerThread, link: Link) -> None:
         time.sleep(0.3)
-        srv.in_loop(lambda: setattr(link, "mute_new", route_down_s > 0))
+        link.mute_new = route_down_s > 0
         srv.in_loop(link.go_silent)
         time.sleep(route_down_s)
-        srv.in_loop(lambda: setattr(link, "mute_new", False))
+        link.mute_new = False
 
     args = ("--steps", "100", "--hz", "100", "--answer-timeout-s", "0.5")
     t0 = time.monotonic()

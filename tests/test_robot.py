@@ -310,11 +310,11 @@ def test_a_robot_hosts_broken_stream_loses_no_answered_step_to_a_server_that_liv
                 assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
                 time.sleep(0.3)
                 before = host.reconnects
-                srv.in_loop(lambda: setattr(link, "mute_new", failure == "route-down"))
+                link.mute_new = failure == "route-down"
                 srv.in_loop(link.cut if failure == "reset" else link.go_silent)
                 seen = wait_until(lambda: host.reconnects > before + (failure == "route-down"), 10, 0.01)  # noqa: B023
                 assert seen, "the break went unseen"
-                srv.in_loop(lambda: setattr(link, "mute_new", False))
+                link.mute_new = False
             assert wait_until(lambda: host.connected, 10, 0.01), "no stream"
             time.sleep(0.3)
 
