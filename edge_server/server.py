@@ -22,7 +22,8 @@ from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
-from edgerl.proto.keepalive import keepalive_options
+from edgerl.proto.keepalive import check_keepalive, keepalive_options
+from edgerl.proto.settings import check_finite
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -76,6 +77,7 @@ class ServerConfig:
     (see edgerl.edge_server.local); empty: none."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_batch_size < 1:
@@ -92,11 +94,7 @@ class ServerConfig:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        if self.keepalive_s < 0 or self.keepalive_timeout_s <= 0:
-            raise ValueError(
-                f"keepalive_s must be >= 0 and keepalive_timeout_s > 0, got {self.keepalive_s} "
-                f"and {self.keepalive_timeout_s}"
-            )
+        check_keepalive(self.keepalive_s, self.keepalive_timeout_s, off=True)
         if bool(self.tls_cert) != bool(self.tls_key):
             given = "tls_cert" if self.tls_cert else "tls_key"
             raise ValueError(f"tls_cert and tls_key go together (--tls-cert, --tls-key), got only {given}")

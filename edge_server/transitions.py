@@ -50,6 +50,7 @@ import numpy as np
 
 from edgerl.edge_server.batcher import BatchResult
 from edgerl.proto import tensors
+from edgerl.proto.settings import check_finite
 from edgerl.proto.v1 import edge_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class TransitionConfig:
     resuming stream of 32 HalfCheetah envs left answered); past it the longest closed goes."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.segment_steps < 1:
             raise ValueError(f"segment_steps must be >= 1, got {self.segment_steps}")
         if self.max_pending_steps < self.segment_steps:

@@ -9,6 +9,7 @@ types only make the command line's errors name the option and come before any pr
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,9 +21,11 @@ def bounded(
     kind: Callable[[str], _N], low: _N, high: _N | None = None, *, above: bool = False
 ) -> Callable[[str], _N]:
     """An argparse ``type``: a number of ``kind`` at least ``low`` (above it with ``above``) and at
-    most ``high``; NaN is refused."""
+    most ``high``; NaN and infinity are refused."""
     name = getattr(kind, "__name__", "number")
-    bound = f"> {low:g}" if above else f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+    bound = (
+        f"> {low:.15g}" if above else f">= {low:.15g}" if high is None else f"in [{low:.15g}, {high:.15g}]"
+    )
 
     def parse(text: str) -> _N:
         try:
@@ -32,6 +35,8 @@ def bounded(
         low_ok = value > low if above else value >= low
         if not low_ok or (high is not None and not value <= high):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if not math.isfinite(value):  # an option that means never or off takes 0
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value
 
     return parse

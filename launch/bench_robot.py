@@ -40,6 +40,7 @@ from edgerl.launch.processes import (
     kept_cpus,
     other_cpus,
 )
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client.netproc import RESTART_DELAY_S, hung_after
 from edgerl.robot_client.runner import LinkFaults, RobotRunnerConfig, chunk_defaults
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
@@ -121,6 +122,7 @@ class BenchRobotConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         deadline_ms, refill_at = chunk_defaults(self.hz, self.chunk, self.deadline_ms, self.refill_at)

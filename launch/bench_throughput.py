@@ -37,6 +37,7 @@ from edgerl.launch.processes import (
     other_cpus,
     server_stats,
 )
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 
 MODES = ("sync_inprocess", "sync_unary", "async_stream", "async_local")
@@ -95,6 +96,7 @@ class ThroughputConfig:
     server's CPUs); None: chosen by :func:`choose_placement`."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.envs < 1 or self.seconds <= 0 or self.repeats < 1 or self.warmup_s < 0:
             raise ValueError("need envs >= 1, seconds > 0, repeats >= 1, warmup_s >= 0")
         if self.groups < 0:

@@ -24,6 +24,7 @@ from edgerl.launch.argtypes import (
     PORT,
     POSITIVE,
     add_json_option,
+    bounded,
     output_file,
 )
 from edgerl.launch.bench_throughput import (
@@ -52,6 +53,7 @@ from edgerl.launch.processes import (
 )
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
+from edgerl.proto.keepalive import MAX_KEEPALIVE_S
 from edgerl.robot_client import errors
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -314,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keepalive-s",
-        type=NON_NEGATIVE,
+        type=bounded(float, 0.0, MAX_KEEPALIVE_S),
         default=_DEFAULT_SERVER.keepalive_s,
         help="ping a connection that has been silent this long (s), and close it when a ping goes "
         f"unanswered for {_DEFAULT_SERVER.keepalive_timeout_s:g} s: the streams of a robot whose link "

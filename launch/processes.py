@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.server import BindError, ServerConfig
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client.keeper import host_session_id
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.sim.episodes import EpisodeLog
@@ -160,6 +161,7 @@ class PolicySpec:
     (:class:`~edgerl.edge_server.replicas.ReplicatedBackend`); 1: in the server's process."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         check_dtype(self.dtype, self.preset)
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")

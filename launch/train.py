@@ -40,6 +40,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
 )
 from edgerl.launch.progress import advance, step_bar
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.config import TrainerConfig
@@ -89,6 +90,7 @@ class RunConfig:
     ppo: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.groups < 0:
             raise ValueError(f"groups must be >= 0 (0: chosen by envs per worker), got {self.groups}")
         check_fleet(

@@ -17,6 +17,7 @@ model needs ``transformers`` and ``tokenizers`` (the ``llm`` extra).
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +89,8 @@ class ObsActionCodec:
         self.act_high = np.asarray(act_high, np.float32).ravel()
         if not (np.all(np.isfinite(self.act_low)) and np.all(np.isfinite(self.act_high))):
             raise ValueError("an LLM policy needs finite action bounds")
-        if obs_clip <= 0:
-            raise ValueError(f"obs_clip must be > 0, got {obs_clip}")
+        if not 0 < obs_clip < math.inf:
+            raise ValueError(f"obs_clip must be a finite number > 0, got {obs_clip}")
         bad = sorted({c for c in instruction if c not in CHARS})
         if bad:
             raise ValueError(f"instruction: characters outside the vocabulary: {bad}")

@@ -2,6 +2,26 @@
 
 from __future__ import annotations
 
+MAX_KEEPALIVE_S = 2_147_483
+"""The longest keepalive time or timeout (seconds, about 24.8 days): gRPC takes its options as C
+ints, and 2**31 milliseconds is one more than it accepts."""
+
+
+def check_keepalive(every_s: float, timeout_s: float, *, off: bool) -> None:
+    """Refuse keepalive settings outside what gRPC accepts; ``off``: an ``every_s`` of 0 turns
+    the pings off.
+
+    Raises:
+        ValueError: naming ``keepalive_s`` and ``keepalive_timeout_s``, also for NaN.
+    """
+    every_ok = (every_s >= 0 if off else every_s > 0) and every_s <= MAX_KEEPALIVE_S
+    if not (every_ok and 0 < timeout_s <= MAX_KEEPALIVE_S):
+        every = f"[0, {MAX_KEEPALIVE_S}] (0: off)" if off else f"(0, {MAX_KEEPALIVE_S}]"
+        raise ValueError(
+            f"keepalive_s must be in {every} and keepalive_timeout_s in (0, {MAX_KEEPALIVE_S}], "
+            f"got {every_s} and {timeout_s}"
+        )
+
 
 def keepalive_options(every_s: float, timeout_s: float) -> list[tuple[str, int]]:
     """Options that ping the peer after ``every_s`` seconds without a ping or data, and close the

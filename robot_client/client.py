@@ -11,6 +11,7 @@ exception carrying its gRPC code.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from types import TracebackType
@@ -307,8 +308,8 @@ class EdgeClient:
         security: ClientSecurity | None = None,
         reconnect_backoff_max_s: float = 1.0,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < math.inf:  # an asyncio.timeout of NaN seconds expires at once
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.target = target
         self.timeout_s = timeout_s
         self.security = security or ClientSecurity()

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.proto import frames
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import (
@@ -115,6 +116,7 @@ class LinkFaults:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.delay_ms < 0 or self.jitter_ms < 0:
             raise ValueError("delay_ms and jitter_ms must be >= 0")
         if not 0.0 <= self.drop <= 1.0:
@@ -174,6 +176,7 @@ class RobotRunnerConfig:
     0.1 ms or less per MuJoCo robot here)."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.robots_per_slot < 1:
             raise ValueError(f"robots_per_slot must be >= 1, got {self.robots_per_slot}")
         check_cpus(self, "network_cpus")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgerl.proto import frames
+from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
@@ -85,6 +86,7 @@ class SimWorkerConfig:
     for it (``StreamHello.backfill``), so it slows neither the server nor other workers."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {self.num_envs}")
         if not 1 <= self.groups <= self.num_envs:

@@ -41,8 +41,8 @@ class MujocoRobot:
     """
 
     def __init__(self, env: str = "HalfCheetah-v5", hz: float = 50.0, seed: int = 0, name: str = "") -> None:
-        if hz <= 0:
-            raise ValueError(f"hz must be > 0, got {hz}")
+        if not 0 < hz < math.inf:
+            raise ValueError(f"hz must be a finite number > 0, got {hz}")
         probe = make_env(env)
         timestep = float(probe.unwrapped.model.opt.timestep)  # type: ignore[attr-defined]
         probe.close()

@@ -173,6 +173,8 @@ def test_more_envs_per_stream_than_the_server_takes_are_refused_before_anything_
             "robot 'no_such_module:Arm': No module named 'no_such_module'",
         ),
         ("train --set ppo.epochs", "--set 'ppo.epochs': expected key=value"),
+        # it started the server and workers, and failed at its first publish: NaN weights
+        ("train --set ppo.learning_rate=nan", "--set: learning_rate must be a finite number, got nan"),
     ],
 )
 def test_a_bad_option_value_is_a_one_line_error_before_anything_starts(

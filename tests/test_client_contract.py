@@ -192,5 +192,5 @@ def test_wait_ready_fails_at_once_on_a_server_without_the_health_service() -> No
 
 
 def test_a_client_timeout_must_be_positive() -> None:
-    with pytest.raises(ValueError, match=re.escape("timeout_s must be > 0, got 0.0")):
+    with pytest.raises(ValueError, match=re.escape("timeout_s must be a finite number > 0, got 0.0")):
         EdgeClient("127.0.0.1:1", timeout_s=0.0)

@@ -21,6 +21,7 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import LEARNER_SERVICE_NAME
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
+from edgerl.proto.keepalive import MAX_KEEPALIVE_S
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -234,8 +235,10 @@ def test_a_trainer_whose_link_breaks_goes_on_taking_segments(failure: str) -> No
 def test_a_feeds_bad_settings_are_named() -> None:
     with pytest.raises(ValueError, match=r"^window_steps must be >= 1, got 0$"):
         TransitionFeed("127.0.0.1:1", window_steps=0)
-    for every, timeout in ((0.0, 10.0), (10.0, -1.0), (float("nan"), 10.0)):
-        with pytest.raises(ValueError, match=r"^keepalive_s and keepalive_timeout_s must be > 0, got "):
+    for every, timeout in ((0.0, 10.0), (10.0, -1.0), (float("nan"), 10.0), (1e300, 10.0)):
+        with pytest.raises(
+            ValueError, match=rf"^keepalive_s must be in \(0, {MAX_KEEPALIVE_S}\] and keepalive_"
+        ):
             TransitionFeed("127.0.0.1:1", window_steps=64, keepalive_s=every, keepalive_timeout_s=timeout)
 
 

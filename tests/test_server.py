@@ -27,6 +27,7 @@ from edgerl.edge_server.server import SERVICE_NAME, BindError, EdgeServer, Serve
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
 from edgerl.proto import tensors
+from edgerl.proto.keepalive import MAX_KEEPALIVE_S
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -769,11 +770,24 @@ def test_a_server_reachable_beyond_loopback_without_tls_says_who_could_drive_it(
     assert [r.getMessage() for r in caplog.records if "without TLS" in r.getMessage()] == [warning]
 
 
-def test_keepalive_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="keepalive_s must be >= 0 and keepalive_timeout_s > 0, got -1"):
-        ServerConfig(keepalive_s=-1)
-    with pytest.raises(ValueError, match=r"keepalive_timeout_s > 0, got 30.0 and 0"):
-        ServerConfig(keepalive_timeout_s=0)
+def test_keepalive_settings_are_checked_up_to_the_longest_grpc_takes() -> None:
+    longest = MAX_KEEPALIVE_S
+    for every, timeout in ((-1.0, 10.0), (30.0, 0.0), (longest + 1, 10.0), (30.0, 1e300)):
+        with pytest.raises(ValueError) as refused:
+            ServerConfig(keepalive_s=every, keepalive_timeout_s=timeout)
+        assert str(refused.value) == (
+            f"keepalive_s must be in [0, {longest}] (0: off) and keepalive_timeout_s in (0, {longest}], "
+            f"got {every} and {timeout}"
+        )
+
+    async def main() -> None:  # the longest both ways: gRPC takes it, and the server serves
+        async with running_server(
+            EchoPolicy(OBS, ACT), keepalive_s=longest, keepalive_timeout_s=longest
+        ) as server:
+            answer = await act_once(server.address, np.ones((2, OBS), np.float32))
+            assert answer.actions.shape == (2, ACT)
+
+    run(main())
 
 
 def test_a_failed_forward_pass_fails_its_callers_with_internal_and_the_server_goes_on() -> None:

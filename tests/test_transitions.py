@@ -587,7 +587,7 @@ BAD_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "closed_session_keep_s NaN": (
         {"closed_session_keep_s": math.nan},
-        "closed_session_keep_s must be >= 0, got nan",
+        "closed_session_keep_s must be a finite number, got nan",
     ),
     "max_closed_sessions": ({"max_closed_sessions": -1}, "max_closed_sessions must be >= 0, got -1"),
     "sync with interval": (
@@ -702,7 +702,7 @@ def test_env_states_forget_nothing_while_nothing_arrives_or_no_time_passes() -> 
 
 
 def test_env_states_refuse_a_bad_setting() -> None:
-    with pytest.raises(ValueError, match=r"^idle_s must be >= 0, got -1.0$"):
+    with pytest.raises(ValueError, match=r"^idle_s must be a finite number >= 0, got -1.0$"):
         EnvStates(idle_s=-1.0)
     with pytest.raises(ValueError, match=r"^idle_segments must be >= 1, got 0$"):
         EnvStates(idle_segments=0)

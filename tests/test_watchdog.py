@@ -141,7 +141,7 @@ def test_safe_pose_mode_needs_a_pose() -> None:
 BAD_SETTINGS: dict[str, tuple[dict[str, object], str]] = {
     "hz 0": ({"hz": 0.0}, "hz must be in (0, 10000], got 0.0"),
     "hz 20k": ({"hz": 20_000.0}, "hz must be in (0, 10000], got 20000.0"),
-    "deadline_s": ({"deadline_s": 0.0}, "deadline_s must be > 0, got 0.0"),
+    "deadline_s": ({"deadline_s": 0.0}, "deadline_s must be a finite number > 0, got 0.0"),
     "estop_after": ({"estop_after": -1}, "estop_after must be >= 0, got -1"),
     "max_delta inf": ({"max_delta": float("inf")}, "max_delta must be finite and > 0, got inf"),
     "max_delta 0": ({"max_delta": [0.1, 0.0]}, "max_delta must be finite and > 0, got [0.1, 0.0]"),

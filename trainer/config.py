@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edgerl.proto.settings import check_finite
+
 BASELINES = ("critic", "group")
 UPDATE_BACKENDS = ("auto", "autograd", "numpy")
 """``TrainerConfig.update_backend`` choices."""
@@ -67,6 +69,7 @@ class TrainerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name in ("batch_steps", "epochs", "minibatch_size", "total_steps", "max_batches_ahead"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

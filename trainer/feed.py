@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from edgerl.proto import tensors
-from edgerl.proto.keepalive import keepalive_options
+from edgerl.proto.keepalive import check_keepalive, keepalive_options
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -205,10 +205,7 @@ def learner_channel(
     """A (sync) channel to the edge server sized for segments and weights, that pings the server
     every ``keepalive_s`` and takes its connection for dead after ``keepalive_timeout_s``
     without an answer (the server accepts a client's pings as often as twice a second)."""
-    if not (keepalive_s > 0 and keepalive_timeout_s > 0):
-        raise ValueError(
-            f"keepalive_s and keepalive_timeout_s must be > 0, got {keepalive_s}, {keepalive_timeout_s}"
-        )
+    check_keepalive(keepalive_s, keepalive_timeout_s, off=False)
     channel: grpc.Channel = open_channel(
         server,
         security,

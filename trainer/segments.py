@@ -9,6 +9,7 @@ has gone quiet (:class:`EnvStates`).
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,8 +80,8 @@ class EnvStates(Generic[V]):
         idle_segments: int = ENV_IDLE_SEGMENTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if idle_s < 0:
-            raise ValueError(f"idle_s must be >= 0, got {idle_s}")
+        if not 0 <= idle_s < math.inf:
+            raise ValueError(f"idle_s must be a finite number >= 0, got {idle_s}")
         if idle_segments < 1:
             raise ValueError(f"idle_segments must be >= 1, got {idle_segments}")
         self.idle_s = idle_s

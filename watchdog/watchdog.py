@@ -85,15 +85,19 @@ class WatchdogConfig:
         object.__setattr__(self, "fallback", Fallback(self.fallback))
         if not 0 < self.hz <= 10_000:
             raise ValueError(f"hz must be in (0, 10000], got {self.hz}")
-        if self.deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if not 0 < self.deadline_s < math.inf:  # a NaN deadline took actions however late they came
+            raise ValueError(f"deadline_s must be a finite number > 0, got {self.deadline_s}")
         if self.estop_after < 0:
             raise ValueError(f"estop_after must be >= 0, got {self.estop_after}")
         if self.fallback is Fallback.SAFE_POSE and self.safe_pose is None:
             raise ValueError("fallback 'safe_pose' needs safe_pose")
+        if self.safe_pose is not None and not np.all(np.isfinite(self.safe_pose)):
+            raise ValueError(f"safe_pose must be finite numbers, got {self.safe_pose}")
         deltas = np.atleast_1d(np.asarray(self.max_delta if self.max_delta is not None else 1.0))
         if not (np.all(np.isfinite(deltas)) and np.all(deltas > 0)):
             raise ValueError(f"max_delta must be finite and > 0, got {self.max_delta}")
+        if not 0 <= self.warn_interval_s < math.inf:
+            raise ValueError(f"warn_interval_s must be a finite number >= 0, got {self.warn_interval_s}")
         if self.stats_window < 1:
             raise ValueError(f"stats_window must be >= 1, got {self.stats_window}")
 

@@ -1,0 +1,27 @@
+"""Checks that the settings classes of edgerl make the same way (the watchdog, which imports
+nothing else of edgerl, makes its own)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def check_finite(config: Any) -> None:
+    """Refuse a NaN or an infinity in any float field of the dataclass ``config``, or in a tuple
+    of floats, naming the field.
+
+    Range checks alone let NaN through (``nan <= 0`` is False), and a NaN setting then does
+    what no number would: a NaN learning rate makes NaN weights, an ``asyncio.timeout`` of NaN
+    seconds expires at once. Infinity is refused as well: a time that means never or off is 0
+    where a setting has one, and gRPC takes its times as C ints of milliseconds.
+
+    Raises:
+        ValueError: ``<field> must be a finite number, got <value>``.
+    """
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")

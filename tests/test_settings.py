@@ -1,0 +1,144 @@
+"""Every settings class refuses a float that is NaN or infinite, naming the field.
+
+``nan <= 0`` is False, so a range check alone lets NaN through; these tests find the settings
+classes (the dataclasses of edgerl with a ``__post_init__``) themselves, so that a new class
+or field is covered without being listed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import pkgutil
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgerl.launch.cli import main
+from edgerl.proto.keepalive import MAX_KEEPALIVE_S, check_keepalive
+
+PACKAGES = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch", "models")
+REQUIRED = {"server": "127.0.0.1:1"}
+"""Values of the fields that have no default."""
+
+
+def _settings_classes() -> list[type[Any]]:
+    found: list[type[Any]] = []
+    for package in PACKAGES:
+        for module in pkgutil.iter_modules(importlib.import_module(f"edgerl.{package}").__path__):
+            if module.name == "__main__":
+                continue
+            mod = importlib.import_module(f"edgerl.{package}.{module.name}")
+            found += [
+                obj
+                for obj in vars(mod).values()
+                if isinstance(obj, type)
+                and dataclasses.is_dataclass(obj)
+                and obj.__module__ == mod.__name__
+                and "__post_init__" in vars(obj)
+            ]
+    return found
+
+
+def _float_fields() -> list[tuple[type[Any], str, bool]]:
+    """(class, field, whether it is a tuple) for every field whose type names float."""
+    return [
+        (cls, f.name, str(f.type).startswith("tuple"))
+        for cls in _settings_classes()
+        for f in dataclasses.fields(cls)
+        if "float" in str(f.type)
+    ]
+
+
+FLOAT_FIELDS = _float_fields()
+
+
+def test_the_settings_classes_are_found() -> None:
+    names = {cls.__name__ for cls in _settings_classes()}
+    assert {
+        "ServerConfig",
+        "TransitionConfig",
+        "TrainerConfig",
+        "WatchdogConfig",
+        "RobotRunnerConfig",
+    } <= names
+    assert {"SimWorkerConfig", "LinkFaults", "ThroughputConfig", "BenchRobotConfig", "RunConfig"} <= names
+    fields = {(cls.__name__, name) for cls, name, _ in FLOAT_FIELDS}
+    assert {("WatchdogConfig", "deadline_s"), ("TrainerConfig", "learning_rate")} <= fields
+    assert ("WatchdogConfig", "safe_pose") in fields  # a tuple of floats
+    assert len(fields) >= 40
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("cls", "name", "is_tuple"), FLOAT_FIELDS, ids=[f"{c.__name__}.{n}" for c, n, _ in FLOAT_FIELDS]
+)
+def test_a_float_setting_that_is_not_a_finite_number_is_refused_naming_it(
+    cls: type[Any], name: str, is_tuple: bool, bad: float
+) -> None:
+    required = {k: v for k, v in REQUIRED.items() if k in {f.name for f in dataclasses.fields(cls)}}
+    cls(**required)  # valid as it is
+    value: Any = (0.0, bad) if is_tuple else bad
+    with pytest.raises(ValueError, match=rf"^{name} must be ") as refused:
+        cls(**required, **{name: value})
+    assert str(refused.value).endswith(f"got {value}")
+
+
+def test_keepalive_settings_stop_where_grpc_does() -> None:
+    check_keepalive(MAX_KEEPALIVE_S, MAX_KEEPALIVE_S, off=False)  # 2**31 - 1 ms, at most
+    check_keepalive(0.0, 1.0, off=True)
+    refused = [(MAX_KEEPALIVE_S + 1, 1.0, True), (1.0, MAX_KEEPALIVE_S + 1, True), (0.0, 1.0, False)]
+    refused += [(math.nan, 1.0, True), (1.0, math.nan, False), (1e300, 1.0, True), (-1.0, 1.0, True)]
+    for every_s, timeout_s, off in refused:
+        with pytest.raises(
+            ValueError, match=rf"^keepalive_s must be in .* {re.escape(f'got {every_s} and {timeout_s}')}$"
+        ):
+            check_keepalive(every_s, timeout_s, off=off)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ("serve --grace-s inf", "argument --grace-s: must be a finite number, got inf"),
+        (
+            "serve --keepalive-s 1e300",
+            f"argument --keepalive-s: must be in [0, {MAX_KEEPALIVE_S}], got 1e300",
+        ),
+        ("robot --deadline-ms inf", "argument --deadline-ms: must be a finite number, got inf"),
+        ("rollout --timeout-s inf", "argument --timeout-s: must be a finite number, got inf"),
+        ("describe --timeout-s=-inf", "argument --timeout-s: must be > 0, got -inf"),
+    ],
+)
+def test_an_infinite_option_is_refused_naming_it(
+    args: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(args.split())
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f": error: {error}")
+
+
+def _numbers_of_constructors() -> dict[str, tuple[Any, str]]:
+    from edgerl.models.llm import ObsActionCodec
+    from edgerl.robot_client.client import EdgeClient
+    from edgerl.sim.robot import MujocoRobot
+    from edgerl.trainer.segments import EnvStates
+
+    bounds = np.ones(2, np.float32)
+    return {
+        "EdgeClient.timeout_s": (lambda x: EdgeClient("127.0.0.1:1", timeout_s=x), "timeout_s"),
+        "MujocoRobot.hz": (lambda x: MujocoRobot(hz=x), "hz"),
+        "ObsActionCodec.obs_clip": (lambda x: ObsActionCodec(-bounds, bounds, obs_clip=x), "obs_clip"),
+        "EnvStates.idle_s": (lambda x: EnvStates(idle_s=x), "idle_s"),
+    }
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("which", list(_numbers_of_constructors()))
+def test_a_constructor_refuses_a_number_that_is_not_finite_naming_it(which: str, bad: float) -> None:
+    make, name = _numbers_of_constructors()[which]
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number (>|>=) 0, got {bad}$"):
+        make(bad)
