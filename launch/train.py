@@ -125,7 +125,7 @@ class RunConfig:
         return dataclasses.replace(self, ppo=ppo)
 
 
-_KIND = {int: "an integer", float: "a number"}
+_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def _coerce(cls: type, key: str, value: Any) -> Any:
@@ -133,28 +133,22 @@ def _coerce(cls: type, key: str, value: Any) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if key not in fields or key == "ppo":
         raise ValueError(f"{key}: unknown setting; known: {', '.join(sorted(fields))}")
-    default = fields[key].default
-    if default is dataclasses.MISSING or default is None or isinstance(default, str):
-        return value
-    kind = type(default)
-    if isinstance(value, str):
+    kind = type(fields[key].default)  # every setting has a default of its type
+    if isinstance(value, str) and kind is not str:
         if kind is bool:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{key}: expected true or false, got {value!r}")
             return value.lower() in ("true", "1")
         try:
-            number = float(value)
+            value = float(value)
         except ValueError:
             raise ValueError(f"{key}: expected {_KIND[kind]}, got {value!r}") from None
-        value = number
-    if kind is int and isinstance(value, float):
-        if not value.is_integer():
-            raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and type(value) is int:
         return float(value)
-    if not isinstance(value, kind):
-        raise ValueError(f"{key}: expected {_KIND.get(kind, kind.__name__)}, got {value!r}")
+    if type(value) is not kind:  # a TOML true is no number, nor 1 a boolean
+        raise ValueError(f"{key}: expected {_KIND[kind]}, got {value!r}")
     return value
 
 
@@ -164,7 +158,9 @@ def apply_overrides(cfg: RunConfig, values: Mapping[str, Any], source: str) -> R
     ppo: dict[str, Any] = {}
     try:
         for key, value in values.items():
-            if key == "ppo" and isinstance(value, Mapping):
+            if key == "ppo":
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"ppo: expected a table of PPO settings ([ppo]), got {value!r}")
                 ppo.update({k: _coerce(TrainerConfig, k, v) for k, v in value.items()})
             elif key.startswith("ppo."):
                 k = key.removeprefix("ppo.")

@@ -405,6 +405,27 @@ def test_config_precedence_defaults_file_flags_set(tmp_path: Path) -> None:
         load_config(None, str(tmp_path / "missing.toml"), {}, [])
 
 
+WRONG_TYPES_IN_A_FILE = {
+    # a TOML boolean is an int to Python: `steps = true` was taken for 1
+    "steps = true": "steps: expected an integer, got True",
+    "sync = 1": "sync: expected true or false, got 1",
+    "[ppo]\nlearning_rate = false": "learning_rate: expected a number, got False",
+    # a string setting took any value: `run_dir = 5` failed later, with a traceback
+    "run_dir = 5": "run_dir: expected a string, got 5",
+    "policy = 3": "policy: expected a string, got 3",
+    "ppo = 5": "ppo: expected a table of PPO settings ([ppo]), got 5",
+}
+
+
+@pytest.mark.parametrize("text", list(WRONG_TYPES_IN_A_FILE))
+def test_a_config_file_value_of_the_wrong_type_is_refused_naming_it(text: str, tmp_path: Path) -> None:
+    file = tmp_path / "my.toml"
+    file.write_text(text + "\n")
+    with pytest.raises(ValueError) as refused:
+        load_config(None, str(file), {}, [])
+    assert str(refused.value) == f"{file}: {WRONG_TYPES_IN_A_FILE[text]}"
+
+
 def test_env_groups_are_chosen_unless_set() -> None:
     assert RunConfig(envs=16).fleet_groups == 2  # double-buffered
     assert RunConfig(envs=1).fleet_groups == 1  # a single env: one group, not a refusal
