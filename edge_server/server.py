@@ -23,7 +23,7 @@ from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.keepalive import check_keepalive, keepalive_options
-from edgerl.proto.settings import check_finite
+from edgerl.proto.settings import check_finite, check_socket_path
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -98,6 +98,7 @@ class ServerConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             given = "tls_cert" if self.tls_cert else "tls_key"
             raise ValueError(f"tls_cert and tls_key go together (--tls-cert, --tls-key), got only {given}")
+        check_socket_path("local_socket", self.local_socket)
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
 

@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
+from edgerl.proto.settings import check_socket_path
+
 _N = TypeVar("_N", int, float)
 
 
@@ -54,6 +56,16 @@ PROBABILITY = bounded(float, 0.0, 1.0)
 """A float in [0, 1]."""
 PORT = bounded(int, 0, 65535)
 """A TCP port; 0 picks a free one."""
+
+
+def socket_path(text: str) -> str:
+    """An argparse ``type``: the path of a Unix socket, refused where it is longer than the
+    system takes (see :func:`~edgerl.proto.settings.check_socket_path`)."""
+    try:
+        check_socket_path("path", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("path: ")) from None
+    return text
 
 
 def output_file(text: str) -> str:

@@ -26,6 +26,7 @@ from edgerl.launch.argtypes import (
     add_json_option,
     bounded,
     output_file,
+    socket_path,
 )
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
@@ -196,7 +197,7 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
 
 
 def _add_local_socket(p: argparse.ArgumentParser, help_text: str) -> None:
-    p.add_argument("--local-socket", default="", metavar="PATH", help=help_text)
+    p.add_argument("--local-socket", type=socket_path, default="", metavar="PATH", help=help_text)
 
 
 def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 
@@ -25,3 +26,22 @@ def check_finite(config: Any) -> None:
         values = value if isinstance(value, tuple) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ValueError(f"{f.name} must be a finite number, got {value}")
+
+
+UNIX_PATH_MAX = 107
+"""The longest path of a Unix socket on Linux (bytes: ``sun_path`` holds 108 with the final NUL)."""
+
+
+def check_socket_path(name: str, path: str) -> None:
+    """Refuse a Unix socket path longer than the system takes: a server cannot bind it, and a
+    client that waits for a server there would wait for good.
+
+    Raises:
+        ValueError: naming the setting ``name``.
+    """
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:
+        raise ValueError(
+            f"{name}: {path} is {size} bytes long, and the path of a Unix socket takes at most "
+            f"{UNIX_PATH_MAX} (choose a shorter one, in /tmp say)"
+        )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgerl.proto import frames
-from edgerl.proto.settings import check_finite
+from edgerl.proto.settings import check_finite, check_socket_path
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
@@ -98,6 +98,7 @@ class SimWorkerConfig:
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         check_cpus(self, "cpus", "network_cpus")
+        check_socket_path("local_socket", self.local_socket)
         if self.local_socket and self.network_process:
             raise ValueError(
                 "local_socket and network_process exclude each other: the local socket needs no gRPC"

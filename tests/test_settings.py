@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import pkgutil
 import re
+import socket
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,8 @@ import pytest
 
 from edgerl.launch.cli import main
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S, check_keepalive
+from edgerl.proto.settings import UNIX_PATH_MAX
+from tests.helpers import EchoPolicy, run, running_server
 
 PACKAGES = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch", "models")
 REQUIRED = {"server": "127.0.0.1:1"}
@@ -142,3 +146,34 @@ def test_a_constructor_refuses_a_number_that_is_not_finite_naming_it(which: str,
     make, name = _numbers_of_constructors()[which]
     with pytest.raises(ValueError, match=rf"^{name} must be a finite number (>|>=) 0, got {bad}$"):
         make(bad)
+
+
+def test_a_unix_socket_path_longer_than_linux_takes_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from edgerl.edge_server.server import ServerConfig
+    from edgerl.robot_client.sim_worker import SimWorkerConfig
+
+    prefix = f"/tmp/edgerl-{os.getpid()}-"
+    longest = prefix + "s" * (UNIX_PATH_MAX - len(prefix))
+
+    async def serve_the_longest() -> None:  # it binds, and a client reaches it
+        async with running_server(EchoPolicy(3, 2), local_socket=longest):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.connect(longest)
+        assert not os.path.exists(longest)  # removed at stop
+
+    run(serve_the_longest())
+    one_more = longest + "s"
+    error = f"local_socket: {one_more} is 108 bytes long, and the path of a Unix socket takes at most 107"
+    for make in (
+        lambda: ServerConfig(local_socket=one_more),
+        lambda: SimWorkerConfig("", local_socket=one_more),
+    ):
+        with pytest.raises(ValueError) as refused:
+            make()
+        assert str(refused.value).startswith(error)
+    with pytest.raises(SystemExit) as exit_:  # a sim worker would wait for a server there for good
+        main(["sim", "--local-socket", one_more])
+    assert exit_.value.code == 2
+    assert f"error: argument --local-socket: {error[len('local_socket: ') :]}" in capsys.readouterr().err
