@@ -67,7 +67,7 @@ from edgerl.robot_client.keeper import (
     mid_episode_settings,
 )
 from edgerl.robot_client.robot import Reading, Robot, RobotKind, RobotState
-from edgerl.robot_client.security import ClientSecurity
+from edgerl.robot_client.security import ClientSecurity, check_target
 from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.clock import Clock, MonotonicClock
 from edgerl.watchdog.loop import ControlLoop, slot_count
@@ -180,6 +180,7 @@ class RobotRunnerConfig:
         if self.robots_per_slot < 1:
             raise ValueError(f"robots_per_slot must be >= 1, got {self.robots_per_slot}")
         check_cpus(self, "network_cpus")
+        check_target(self.server)
         if self.refill_at < 0:
             raise ValueError(f"refill_at must be >= 0, got {self.refill_at}")
         if self.timeout_s <= 0 or self.connect_timeout_s < 0:

@@ -21,6 +21,28 @@ TOKEN_ENV = "EDGERL_TOKEN"
 """Environment variable the command line reads a token from when none is given."""
 
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+"""gRPC's target schemes: an address with one goes to gRPC as it is."""
+
+
+def check_target(target: str, name: str = "server") -> None:
+    """Refuse a server address that no server can have: an empty one, or a ``host:port`` whose
+    port is not a number in [1, 65535]. A client would otherwise retry it for good, as if the
+    server were down. An address without a port (gRPC's default, 443), a bare IPv6 address, or
+    one with a gRPC scheme (``dns:``, ``unix:``, ``ipv4:`` ...) goes to gRPC as it is.
+
+    Raises:
+        ValueError: naming the setting ``name``.
+    """
+    if not target:
+        raise ValueError(f"{name}: no address; expected host:port")
+    host, colon, port = target.rpartition(":")
+    if target.startswith(_SCHEMES) or not colon or (":" in host and not host.startswith("[")):
+        return
+    if not host:
+        raise ValueError(f"{name}: {target!r} has no host; expected host:port")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{name}: the port of {target!r} is not a number in [1, 65535]")
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,12 @@ def with_env_token(security: ClientSecurity | None) -> ClientSecurity | None:
 def open_channel(
     target: str, security: ClientSecurity | None, options: list[tuple[str, Any]], *, aio: bool
 ) -> Any:
-    """A plaintext or TLS channel to ``target`` (``grpc.aio`` when ``aio``)."""
+    """A plaintext or TLS channel to ``target`` (``grpc.aio`` when ``aio``).
+
+    Raises:
+        ValueError: ``target`` is no address a server can have (:func:`check_target`).
+    """
+    check_target(target)
     sec = security or ClientSecurity()
     if not sec.tls:
         if sec.token and not target.startswith(_LOOPBACK):

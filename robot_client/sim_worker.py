@@ -33,7 +33,7 @@ from edgerl.proto.settings import check_finite, check_socket_path
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
-from edgerl.robot_client.security import ClientSecurity
+from edgerl.robot_client.security import ClientSecurity, check_target
 from edgerl.sim.envs import make_vector_env
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class SimWorkerConfig:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         check_cpus(self, "cpus", "network_cpus")
         check_socket_path("local_socket", self.local_socket)
+        if not self.local_socket:
+            check_target(self.server)
         if self.local_socket and self.network_process:
             raise ValueError(
                 "local_socket and network_process exclude each other: the local socket needs no gRPC"

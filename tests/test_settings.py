@@ -14,6 +14,7 @@ import os
 import pkgutil
 import re
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -177,3 +178,54 @@ def test_a_unix_socket_path_longer_than_linux_takes_is_refused_naming_it(
         main(["sim", "--local-socket", one_more])
     assert exit_.value.code == 2
     assert f"error: argument --local-socket: {error[len('local_socket: ') :]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "127.0.0.1:1",
+        "localhost:65535",
+        "[::1]:50051",
+        "robot-7",
+        "::1",
+        "dns:///host:443",
+        "unix:/tmp/x.sock",
+    ],
+)
+def test_a_server_address_a_server_can_have_goes_to_grpc_as_it_is(target: str) -> None:
+    from edgerl.robot_client.security import check_target
+
+    check_target(target)  # a port of gRPC's choosing (443), or the scheme's own form
+
+
+@pytest.mark.parametrize(
+    ("target", "error"),
+    [
+        ("", "server: no address; expected host:port"),
+        ("127.0.0.1:0", "server: the port of '127.0.0.1:0' is not a number in [1, 65535]"),
+        ("127.0.0.1:99999", "server: the port of '127.0.0.1:99999' is not a number in [1, 65535]"),
+        ("robot-7:http", "server: the port of 'robot-7:http' is not a number in [1, 65535]"),
+        ("[::1]:", "server: the port of '[::1]:' is not a number in [1, 65535]"),
+        (":50051", "server: ':50051' has no host; expected host:port"),  # gRPC connects nowhere
+    ],
+)
+def test_a_server_address_no_server_can_have_is_refused_before_anything_retries_it(
+    target: str, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgerl.robot_client.client import EdgeClient
+    from edgerl.robot_client.runner import RobotRunnerConfig
+    from edgerl.robot_client.sim_worker import SimWorkerConfig
+
+    makers: list[Callable[[], object]] = [
+        lambda: RobotRunnerConfig(target),
+        lambda: SimWorkerConfig(target),
+        lambda: EdgeClient(target),
+    ]
+    for make in makers:
+        with pytest.raises(ValueError) as refused:
+            make()
+        assert str(refused.value) == error
+    if target:  # `edgerl sim` without --server asks for --server or --local-socket
+        for command in ("sim", "robot", "describe"):
+            assert main([command, "--server", target]) == 2  # no worker, robot or call retrying it
+            assert capsys.readouterr().err == f"edgerl: error: {error}\n"
