@@ -55,6 +55,7 @@ from edgerl.launch.processes import (
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S
+from edgerl.proto.settings import GRPC_INT_MAX
 from edgerl.robot_client import errors
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -299,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-message-bytes",
-        type=COUNT,
+        type=bounded(int, 1024, GRPC_INT_MAX),
         default=_DEFAULT_SERVER.max_message_bytes,
         help="largest message accepted or sent (bytes)",
     )

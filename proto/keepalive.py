@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-MAX_KEEPALIVE_S = 2_147_483
+from edgerl.proto.settings import GRPC_MAX_S
+
+MAX_KEEPALIVE_S = GRPC_MAX_S
 """The longest keepalive time or timeout (seconds, about 24.8 days): gRPC takes its options as C
-ints, and 2**31 milliseconds is one more than it accepts."""
+ints of milliseconds."""
 
 
 def check_keepalive(every_s: float, timeout_s: float, *, off: bool) -> None:

@@ -8,6 +8,12 @@ import math
 import os
 from typing import Any
 
+GRPC_INT_MAX = 2**31 - 1
+"""The largest number gRPC takes for an option, a C int: a message size in bytes, a time in
+milliseconds (one more, and the channel or server fails with an OverflowError)."""
+GRPC_MAX_S = GRPC_INT_MAX // 1000
+"""The longest time a gRPC option takes, in whole seconds (2,147,483 s, about 24.8 days)."""
+
 
 def check_finite(config: Any) -> None:
     """Refuse a NaN or an infinity in any float field of the dataclass ``config``, or in a tuple

@@ -646,8 +646,9 @@ SIM_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "max_steps": ({"max_steps": -1}, "max_steps must be >= 0, got -1"),
     "backoff": (
         {"backoff_initial_s": 2.0, "backoff_max_s": 1.0},
-        "need 0 < backoff_initial_s <= backoff_max_s",
+        "need 0 < backoff_initial_s <= backoff_max_s <= 2147483",
     ),
+    "backoff_max_s": ({"backoff_max_s": 1e9}, "need 0 < backoff_initial_s <= backoff_max_s <= 2147483"),
 }
 
 

@@ -868,8 +868,9 @@ BAD_HOST_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     "connect_timeout_s": ({"connect_timeout_s": -1.0}, "timeout_s must be > 0 and connect_timeout_s >= 0"),
     "backoff": (
         {"backoff_initial_s": 1.0, "backoff_max_s": 0.5},
-        "need 0 < backoff_initial_s <= backoff_max_s",
+        "need 0 < backoff_initial_s <= backoff_max_s <= 2147483",
     ),
+    "backoff_max_s": ({"backoff_max_s": 1e9}, "need 0 < backoff_initial_s <= backoff_max_s <= 2147483"),
     "network_cpus": ({"network_cpus": (0,)}, "network_cpus needs network_process"),
     "delay_ms": ({"faults": {"delay_ms": -1.0}}, "delay_ms and jitter_ms must be >= 0"),
     "jitter_ms": ({"faults": {"jitter_ms": -1.0}}, "delay_ms and jitter_ms must be >= 0"),

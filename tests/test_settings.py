@@ -1,4 +1,6 @@
-"""Every settings class refuses a float that is NaN or infinite, naming the field.
+"""Settings that no run could use are refused at once, naming the field: a float that is NaN or
+infinite, a keepalive time beyond gRPC's, a Unix socket path longer than Linux takes, a server
+address that no server can have.
 
 ``nan <= 0`` is False, so a range check alone lets NaN through; these tests find the settings
 classes (the dataclasses of edgerl with a ``__post_init__``) themselves, so that a new class
@@ -22,7 +24,7 @@ import pytest
 
 from edgerl.launch.cli import main
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S, check_keepalive
-from edgerl.proto.settings import UNIX_PATH_MAX
+from edgerl.proto.settings import GRPC_INT_MAX, GRPC_MAX_S, UNIX_PATH_MAX
 from tests.helpers import EchoPolicy, run, running_server
 
 PACKAGES = ("proto", "edge_server", "robot_client", "sim", "trainer", "watchdog", "launch", "models")
@@ -93,7 +95,7 @@ def test_a_float_setting_that_is_not_a_finite_number_is_refused_naming_it(
 
 
 def test_keepalive_settings_stop_where_grpc_does() -> None:
-    check_keepalive(MAX_KEEPALIVE_S, MAX_KEEPALIVE_S, off=False)  # 2**31 - 1 ms, at most
+    check_keepalive(MAX_KEEPALIVE_S, MAX_KEEPALIVE_S, off=False)  # 2,147,483,000 ms: under 2**31
     check_keepalive(0.0, 1.0, off=True)
     refused = [(MAX_KEEPALIVE_S + 1, 1.0, True), (1.0, MAX_KEEPALIVE_S + 1, True), (0.0, 1.0, False)]
     refused += [(math.nan, 1.0, True), (1.0, math.nan, False), (1e300, 1.0, True), (-1.0, 1.0, True)]
@@ -102,28 +104,6 @@ def test_keepalive_settings_stop_where_grpc_does() -> None:
             ValueError, match=rf"^keepalive_s must be in .* {re.escape(f'got {every_s} and {timeout_s}')}$"
         ):
             check_keepalive(every_s, timeout_s, off=off)
-
-
-@pytest.mark.parametrize(
-    ("args", "error"),
-    [
-        ("serve --grace-s inf", "argument --grace-s: must be a finite number, got inf"),
-        (
-            "serve --keepalive-s 1e300",
-            f"argument --keepalive-s: must be in [0, {MAX_KEEPALIVE_S}], got 1e300",
-        ),
-        ("robot --deadline-ms inf", "argument --deadline-ms: must be a finite number, got inf"),
-        ("rollout --timeout-s inf", "argument --timeout-s: must be a finite number, got inf"),
-        ("describe --timeout-s=-inf", "argument --timeout-s: must be > 0, got -inf"),
-    ],
-)
-def test_an_infinite_option_is_refused_naming_it(
-    args: str, error: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(args.split())
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f": error: {error}")
 
 
 def _numbers_of_constructors() -> dict[str, tuple[Any, str]]:
@@ -229,3 +209,37 @@ def test_a_server_address_no_server_can_have_is_refused_before_anything_retries_
         for command in ("sim", "robot", "describe"):
             assert main([command, "--server", target]) == 2  # no worker, robot or call retrying it
             assert capsys.readouterr().err == f"edgerl: error: {error}\n"
+
+
+def test_grpc_options_stop_at_a_c_int_and_a_server_and_client_at_it_serve() -> None:
+    from edgerl.robot_client.client import EdgeClient
+
+    for kwargs, error in (
+        (
+            {"max_message_bytes": GRPC_INT_MAX + 1},
+            f"max_message_bytes must be in [1024, {GRPC_INT_MAX}], got ",
+        ),
+        ({"max_message_bytes": 0}, f"max_message_bytes must be in [1024, {GRPC_INT_MAX}], got 0"),
+        (
+            {"reconnect_backoff_max_s": 1e9},
+            f"reconnect_backoff_max_s must be in (0, {GRPC_MAX_S}], got 1000000000.0",
+        ),
+        (
+            {"reconnect_backoff_max_s": math.nan},
+            f"reconnect_backoff_max_s must be in (0, {GRPC_MAX_S}], got nan",
+        ),
+    ):
+        with pytest.raises(ValueError) as refused:  # an OverflowError out of gRPC, or a client refusing all
+            EdgeClient("127.0.0.1:1", **kwargs)
+        assert str(refused.value).startswith(error)
+
+    async def at_the_limits() -> None:
+        async with running_server(EchoPolicy(3, 2), max_message_bytes=GRPC_INT_MAX) as server:
+            client = EdgeClient(
+                server.address, max_message_bytes=GRPC_INT_MAX, reconnect_backoff_max_s=GRPC_MAX_S
+            )
+            async with client:
+                answer = await client.act(np.ones((4, 3), np.float32))
+        assert answer.actions.shape == (4, 2)
+
+    run(at_the_limits())
