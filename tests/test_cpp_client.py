@@ -241,10 +241,24 @@ def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
     assert out.splitlines()[-1].startswith("ERROR 14 ") and "reconnect " not in out, out
 
 
-def test_bad_timeouts_are_named(client: Path) -> None:
-    for option, value in (("--answer-timeout-s", "0"), ("--reconnect-s", "-1")):
-        out = _run(client, "--server", "127.0.0.1:1", option, value)
-        assert out.returncode == 2 and f"{option} must be" in out.stderr, out.stderr
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("--answer-timeout-s", "0", "--answer-timeout-s must be > 0"),
+        ("--reconnect-s", "-1", "--reconnect-s must be a number in [0, 1000000000], got -1"),
+        # std::stod alone said "stod", took "5x" for 5, and let NaN, infinity and any rate through
+        ("--hz", "abc", "--hz: expected a number, got 'abc'"),
+        ("--steps", "5x", "--steps: expected a number, got '5x'"),
+        ("--steps", "2.5", "--steps: expected a whole number, got 2.5"),
+        ("--hz", "nan", "--hz must be a number in [0, 10000], got nan"),
+        ("--hz", "-5", "--hz must be a number in [0, 10000], got -5"),
+        ("--answer-timeout-s", "inf", "--answer-timeout-s must be a number in [0, 1000000000], got inf"),
+    ],
+)
+def test_a_bad_number_is_refused_naming_its_option(client: Path, option: str, value: str, error: str) -> None:
+    out = _run(client, "--server", "127.0.0.1:1", option, value)
+    assert out.returncode == 2 and out.stderr == f"edgerl_cpp_client: {error}\n", out.stderr
+    assert out.stdout == ""  # refused before any connection
 
 
 def test_a_restarted_server_is_joined_mid_episode(client: Path, monkeypatch: pytest.MonkeyPatch) -> None:

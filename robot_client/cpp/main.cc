@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -65,6 +66,37 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// The longest time an option takes (seconds, about 31 years): a steady-clock span counts
+// nanoseconds in 64 bits, and overflows at 292 years.
+constexpr double kMaxSeconds = 1e9;
+
+// The value of option `name`: all of `text` a finite number in [low, high], else an error
+// naming the option (std::stod alone says only "stod", and takes "5x" for 5).
+double Number(const std::string& name, const std::string& text, double low, double high) {
+  std::size_t used = 0;
+  double v = 0.0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) {
+    throw std::runtime_error(name + ": expected a number, got '" + text + "'");
+  }
+  if (!(v >= low && v <= high)) {  // NaN too
+    std::ostringstream bounds;
+    bounds << std::setprecision(15) << name << " must be a number in [" << low << ", " << high << "], got " << text;
+    throw std::runtime_error(bounds.str());
+  }
+  return v;
+}
+
+int WholeNumber(const std::string& name, const std::string& text, double low, double high) {
+  const double v = Number(name, text, low, high);
+  if (v != std::floor(v)) throw std::runtime_error(name + ": expected a whole number, got " + text);
+  return static_cast<int>(v);
+}
+
 Options Parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -74,11 +106,11 @@ Options Parse(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--server") o.server = next();
-    else if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--hz") o.hz = std::stod(next());
+    else if (a == "--steps") o.steps = WholeNumber(a, next(), 0, 2147483647);
+    else if (a == "--hz") o.hz = Number(a, next(), 0, 10000);
     else if (a == "--session") o.session = next();
-    else if (a == "--answer-timeout-s") o.answer_timeout_s = std::stod(next());
-    else if (a == "--reconnect-s") o.reconnect_s = std::stod(next());
+    else if (a == "--answer-timeout-s") o.answer_timeout_s = Number(a, next(), 0, kMaxSeconds);
+    else if (a == "--reconnect-s") o.reconnect_s = Number(a, next(), 0, kMaxSeconds);
     else if (a == "--token") o.token = next();
     else if (a == "--ca") o.ca = next();
     else if (a == "--cert") o.cert = next();
@@ -86,7 +118,6 @@ Options Parse(int argc, char** argv) {
     else throw std::runtime_error("unknown option " + a);
   }
   if (!(o.answer_timeout_s > 0)) throw std::runtime_error("--answer-timeout-s must be > 0");
-  if (!(o.reconnect_s >= 0)) throw std::runtime_error("--reconnect-s must be >= 0");
   return o;
 }
 
