@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -28,12 +27,14 @@ from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.machine import SpeedProbe
 from edgerl.launch.processes import (
     LLM_PRESET,
+    LOCAL_SOCKET_NAME,
     PolicySpec,
     ServerProcess,
     WorkerFleet,
     build_backend,
     check_fleet,
     kept_cpus,
+    local_socket_folder,
     other_cpus,
     server_stats,
 )
@@ -378,8 +379,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     )
     policy = PolicySpec.from_options(cfg, replicas=cfg.replicas)
     server_cpus = cfg.placement()[1]
-    sock_dir = tempfile.TemporaryDirectory(prefix="edgerl-bench-")
-    local_socket = os.path.join(sock_dir.name, "act.sock")
+    sock_dir = local_socket_folder("edgerl-bench-")
+    local_socket = os.path.join(sock_dir.name, LOCAL_SOCKET_NAME)
     server_cfg = ServerConfig(port=0, max_delay_us=cfg.max_delay_us, local_socket=local_socket)
     with sock_dir, ServerProcess(policy, server_cfg, cpus=server_cpus) as server:
         for r in range(cfg.repeats):

@@ -10,7 +10,6 @@ import importlib.metadata
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -37,6 +36,7 @@ from edgerl.launch.checkpoints import LLM_KIND, read_checkpoint
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
+    LOCAL_SOCKET_NAME,
     USER_ERRORS,
     PolicySpec,
     ServerLostError,
@@ -48,6 +48,7 @@ from edgerl.launch.processes import (
     configure_logging,
     fleet_groups,
     kept_cpus,
+    local_socket_folder,
     on_stop_signals,
     other_cpus,
     server_stats,
@@ -807,8 +808,8 @@ def _rollout(a: argparse.Namespace) -> int:
     )
     policy, weights = _served_policy(a)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
-    local_dir = tempfile.TemporaryDirectory(prefix="edgerl-rollout-") if a.transport == "local" else None
-    local = os.path.join(local_dir.name, "act.sock") if local_dir else ""
+    local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
+    local = os.path.join(local_dir.name, LOCAL_SOCKET_NAME) if local_dir else ""
     cfg = ServerConfig(
         port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us, local_socket=local
     )

@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,13 +30,28 @@ from types import TracebackType
 from typing import Any
 
 from edgerl.edge_server.server import BindError, ServerConfig
-from edgerl.proto.settings import check_finite
+from edgerl.proto.settings import UNIX_PATH_MAX, check_finite
 from edgerl.robot_client.keeper import host_session_id
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.sched import idle_priority, no_wakeup_preemption, thread_ids
 
 log = logging.getLogger(__name__)
+
+
+LOCAL_SOCKET_NAME = "act.sock"
+"""The name of the local Act socket in the folder :func:`local_socket_folder` makes."""
+
+
+def local_socket_folder(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A new folder for a local Act socket, in the temporary folder (``$TMPDIR``), or in /tmp
+    where the socket's path there would be longer than a Unix socket takes."""
+    base = tempfile.gettempdir()
+    longest = os.path.join(base, prefix + "x" * 8, LOCAL_SOCKET_NAME)  # 8: the random part's length
+    if len(os.fsencode(longest)) > UNIX_PATH_MAX:
+        base = "/tmp"
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=base)
+
 
 #: What a bad option value or config file raises; the command line reports it in one line.
 USER_ERRORS = (ValueError, KeyError, FileNotFoundError)

@@ -16,7 +16,9 @@ import os
 import pkgutil
 import re
 import socket
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -243,3 +245,22 @@ def test_grpc_options_stop_at_a_c_int_and_a_server_and_client_at_it_serve() -> N
         assert answer.actions.shape == (4, 2)
 
     run(at_the_limits())
+
+
+def test_a_local_socket_folder_is_made_in_tmp_where_tmpdir_is_too_long_for_a_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgerl.launch.processes import LOCAL_SOCKET_NAME, local_socket_folder
+
+    long_dir = tmp_path / ("t" * 100)
+    long_dir.mkdir()
+    short_dir = tempfile.mkdtemp(dir="/tmp")
+    try:
+        for tmpdir, expected in ((str(long_dir), "/tmp"), (short_dir, short_dir)):
+            monkeypatch.setattr(tempfile, "tempdir", tmpdir)  # as $TMPDIR would
+            with local_socket_folder("edgerl-test-") as folder:
+                assert os.path.dirname(folder) == expected
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+                    server.bind(os.path.join(folder, LOCAL_SOCKET_NAME))  # the server's bind
+    finally:
+        os.rmdir(short_dir)
