@@ -37,7 +37,8 @@ def check_target(target: str, name: str = "server") -> None:
     if not target:
         raise ValueError(f"{name}: no address; expected host:port")
     host, colon, port = target.rpartition(":")
-    if target.startswith(_SCHEMES) or not colon or (":" in host and not host.startswith("[")):
+    ipv6_without_port = (":" in host and not host.startswith("[")) or target.endswith("]")
+    if target.startswith(_SCHEMES) or not colon or ipv6_without_port:
         return
     if not host:
         raise ValueError(f"{name}: {target!r} has no host; expected host:port")

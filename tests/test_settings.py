@@ -170,6 +170,7 @@ def test_a_unix_socket_path_longer_than_linux_takes_is_refused_naming_it(
         "[::1]:50051",
         "robot-7",
         "::1",
+        "[::1]",
         "dns:///host:443",
         "unix:/tmp/x.sock",
     ],
