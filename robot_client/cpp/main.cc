@@ -85,7 +85,8 @@ double Number(const std::string& name, const std::string& text, double low, doub
   }
   if (!(v >= low && v <= high)) {  // NaN too
     std::ostringstream bounds;
-    bounds << std::setprecision(15) << name << " must be a number in [" << low << ", " << high << "], got " << text;
+    bounds << std::setprecision(15) << name << " must be a number in [" << low << ", " << high
+           << "], got " << text;
     throw std::runtime_error(bounds.str());
   }
   return v;
