@@ -229,6 +229,10 @@ class ActStream:
             raise await self._call_error(exc) from None
         except asyncio.InvalidStateError:
             raise await self._final_error() from None
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise
+            raise await self._final_error() from None
 
     async def recv(self, timeout_s: float | None = None) -> Actions:
         """The actions answering the oldest unanswered message.
@@ -249,6 +253,10 @@ class ActStream:
             ) from None
         except grpc.aio.AioRpcError as exc:
             raise await self._call_error(exc) from None
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise
+            raise await self._final_error() from None
         if resp is grpc.aio.EOF:
             raise await self._final_error()
         if resp.seq != self._next_recv:
@@ -283,6 +291,15 @@ class ActStream:
         except (errors.EdgeRLError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the stream already ended; cancelling below is all that is left
         self._call.cancel()
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task is being cancelled. gRPC also raises asyncio.CancelledError
+    out of a read or write of a call that was cancelled on this side (a cancelled read cancels
+    its call, as a stopped worker's or an overdue answer's does): the stream ended then, and
+    its caller gets the call's status as an error instead of its own task's end."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class _StatusOnly(grpc.RpcError):

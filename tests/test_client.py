@@ -174,6 +174,37 @@ def test_a_sim_worker_rides_through_server_restarts(network_process: bool) -> No
     assert result["progress"].reconnects >= 4
 
 
+def test_closing_a_stream_whose_read_was_cancelled_with_a_write_in_flight_ends_quietly() -> None:
+    """A cancelled read cancels its gRPC call, and gRPC then fails the write still in flight
+    with asyncio.CancelledError, as it fails a later read. close() raised it: a sim worker
+    stopped while it waited for an answer ended its thread with CancelledError and no progress
+    (a CI run of test_sync_mode_goes_on_through_a_sim_workers_broken_streams). A 16 MB message
+    keeps the write in flight; a read then reads the call's status, and the task goes on."""
+    obs_dim, limit = 4_000_000, 64 * 1024 * 1024
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(obs_dim, 1), max_message_bytes=limit) as server:
+            async with EdgeClient(server.address, max_message_bytes=limit) as client:
+                in_flight = 0
+                for i in range(3):
+                    stream = await client.open_stream(session_id=f"s{i}", num_envs=1, obs_shape=(obs_dim,))
+                    await stream.send([0], np.ones((1, obs_dim), np.float32), np.zeros(1), [False], [False])
+                    in_flight += stream._write is not None and not stream._write.done()
+                    reader = asyncio.ensure_future(stream.recv())
+                    await asyncio.sleep(0)  # the read starts
+                    reader.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await reader
+                    with pytest.raises(errors.RpcError) as ended:  # the call's status, not its end
+                        await stream.recv()
+                    assert ended.value.code == grpc.StatusCode.CANCELLED
+                    await stream.close()
+                assert in_flight >= 1  # else the test tested nothing
+                assert await client.wait_ready(timeout_s=5)  # the client serves on
+
+    run(main())
+
+
 @pytest.mark.parametrize("transport", ["stream-on-worker", "network-process", "local-socket"])
 def test_a_sim_worker_says_mid_episode_to_a_server_that_restarted_and_its_episodes_are_marked_joined(
     transport: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
