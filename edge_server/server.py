@@ -23,7 +23,7 @@ from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.keepalive import check_keepalive, keepalive_options
-from edgerl.proto.settings import GRPC_INT_MAX, check_finite, check_socket_path
+from edgerl.proto.settings import check_finite, check_message_bytes, check_socket_path
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -88,10 +88,7 @@ class ServerConfig:
             raise ValueError(
                 f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size ({self.max_batch_size})"
             )
-        if not 1024 <= self.max_message_bytes <= GRPC_INT_MAX:
-            raise ValueError(
-                f"max_message_bytes must be in [1024, {GRPC_INT_MAX}], got {self.max_message_bytes}"
-            )
+        check_message_bytes(self.max_message_bytes)
         if self.max_envs_per_stream < 1:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
         if self.grace_s < 0:

@@ -97,7 +97,7 @@ class TransitionConfig:
             raise ValueError(f"sync_env_steps must be >= 0, got {self.sync_env_steps}")
         if self.weight_sync_interval < 1:
             raise ValueError(f"weight_sync_interval must be >= 1, got {self.weight_sync_interval}")
-        if not self.closed_session_keep_s >= 0:  # NaN too
+        if self.closed_session_keep_s < 0:
             raise ValueError(f"closed_session_keep_s must be >= 0, got {self.closed_session_keep_s}")
         if self.max_closed_sessions < 0:
             raise ValueError(f"max_closed_sessions must be >= 0, got {self.max_closed_sessions}")

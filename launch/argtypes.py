@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from edgerl.proto.settings import check_socket_path
+from edgerl.proto.settings import socket_path_problem
 
 _N = TypeVar("_N", int, float)
 
@@ -60,11 +60,10 @@ PORT = bounded(int, 0, 65535)
 
 def socket_path(text: str) -> str:
     """An argparse ``type``: the path of a Unix socket, refused where it is longer than the
-    system takes (see :func:`~edgerl.proto.settings.check_socket_path`)."""
-    try:
-        check_socket_path("path", text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("path: ")) from None
+    system takes (see :func:`~edgerl.proto.settings.socket_path_problem`)."""
+    problem = socket_path_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

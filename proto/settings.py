@@ -15,6 +15,16 @@ GRPC_MAX_S = GRPC_INT_MAX // 1000
 """The longest time a gRPC option takes, in whole seconds (2,147,483 s, about 24.8 days)."""
 
 
+def check_message_bytes(value: int) -> None:
+    """Refuse a ``max_message_bytes`` below 1 KiB or above what gRPC takes (a C int).
+
+    Raises:
+        ValueError: naming ``max_message_bytes``.
+    """
+    if not 1024 <= value <= GRPC_INT_MAX:
+        raise ValueError(f"max_message_bytes must be in [1024, {GRPC_INT_MAX}], got {value}")
+
+
 def check_finite(config: Any) -> None:
     """Refuse a NaN or an infinity in any float field of the dataclass ``config``, or in a tuple
     of floats, naming the field.
@@ -38,16 +48,24 @@ UNIX_PATH_MAX = 107
 """The longest path of a Unix socket on Linux (bytes: ``sun_path`` holds 108 with the final NUL)."""
 
 
+def socket_path_problem(path: str) -> str | None:
+    """What is wrong with ``path`` as the path of a Unix socket, if anything: a path longer than
+    the system takes, which a server cannot bind, and where a client would wait for good."""
+    size = len(os.fsencode(path))
+    if size <= UNIX_PATH_MAX:
+        return None
+    return (
+        f"{path} is {size} bytes long, and the path of a Unix socket takes at most {UNIX_PATH_MAX} "
+        "(choose a shorter one, in /tmp say)"
+    )
+
+
 def check_socket_path(name: str, path: str) -> None:
-    """Refuse a Unix socket path longer than the system takes: a server cannot bind it, and a
-    client that waits for a server there would wait for good.
+    """Refuse a Unix socket path that :func:`socket_path_problem` finds wrong.
 
     Raises:
         ValueError: naming the setting ``name``.
     """
-    size = len(os.fsencode(path))
-    if size > UNIX_PATH_MAX:
-        raise ValueError(
-            f"{name}: {path} is {size} bytes long, and the path of a Unix socket takes at most "
-            f"{UNIX_PATH_MAX} (choose a shorter one, in /tmp say)"
-        )
+    problem = socket_path_problem(path)
+    if problem:
+        raise ValueError(f"{name}: {problem}")

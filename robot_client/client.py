@@ -22,7 +22,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edgerl.proto import tensors
-from edgerl.proto.settings import GRPC_INT_MAX, GRPC_MAX_S
+from edgerl.proto.settings import GRPC_MAX_S, check_message_bytes
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -328,8 +328,7 @@ class EdgeClient:
     ) -> None:
         if not 0 < timeout_s < math.inf:  # an asyncio.timeout of NaN seconds expires at once
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
-        if not 1024 <= max_message_bytes <= GRPC_INT_MAX:  # gRPC takes a C int
-            raise ValueError(f"max_message_bytes must be in [1024, {GRPC_INT_MAX}], got {max_message_bytes}")
+        check_message_bytes(max_message_bytes)
         if not 0 < reconnect_backoff_max_s <= GRPC_MAX_S:
             raise ValueError(
                 f"reconnect_backoff_max_s must be in (0, {GRPC_MAX_S}], got {reconnect_backoff_max_s}"
