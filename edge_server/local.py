@@ -165,9 +165,10 @@ class _LocalStream(asyncio.Protocol):
             if isinstance(p.future, asyncio.Task):
                 p.future.cancel()
         self._pending.clear()
-        if self._slots is not None:
+        if self._slots is not None and self._spec is not None:
             self._servicer.batcher.close_stream(self._slots)
             self._servicer.active_streams -= 1
+            self._servicer.release_stream(self._spec.session_id)
         store = self._servicer.store
         if store is not None and self._handle is not None:
             store.close_stream(self._handle)
@@ -233,14 +234,15 @@ class _LocalStream(asyncio.Protocol):
         spec = check_hello(hello, servicer.obs_shape, servicer.limits.max_envs_per_stream, servicer.env_name)
         if servicer.batcher.closing:
             raise BatcherClosedError("the server is shutting down")
+        servicer.claim_stream(spec.session_id)
+        self._spec = spec
+        self._slots = servicer.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
+        servicer.active_streams += 1
         store = servicer.store
         if store is not None:
             self._handle = store.open_stream(
                 spec.session_id, spec.num_envs, mid_episode=spec.mid_episode, resumes=spec.resumes
             )
-        self._spec = spec
-        self._slots = servicer.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
-        servicer.active_streams += 1
         self._write(frames.encode_state(frames.UP, 0))
         log.info("local stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
 

@@ -52,6 +52,14 @@ class ServerConfig:
     """Largest message accepted or sent (bytes); beyond it RESOURCE_EXHAUSTED."""
     max_envs_per_stream: int = 1024
     """Most envs one stream may declare."""
+    max_streams: int = 1024
+    """Most Act streams open at once, over gRPC and the local socket together, counted from a
+    stream's hello to its end. Each holds its envs' state (with the learner, ~1 MB for 256 envs
+    three steps in), so a client that opens streams without end (a reconnect loop that never
+    closes the old ones, say) would otherwise grow the server until the system kills it, and
+    every client with it. A hello beyond the limit gets UNAVAILABLE, which every edgerl client
+    retries with backoff, unless it takes over a session that has one stream open: a client that
+    reconnects before the server saw its old stream end is let in."""
     grace_s: float = 5.0
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
     keepalive_s: float = 30.0
@@ -91,6 +99,8 @@ class ServerConfig:
         check_message_bytes(self.max_message_bytes)
         if self.max_envs_per_stream < 1:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         check_keepalive(self.keepalive_s, self.keepalive_timeout_s, off=True)
@@ -150,6 +160,7 @@ class EdgeServer:
             max_queue_rows=cfg.max_queue_rows,
             max_message_bytes=cfg.max_message_bytes,
             max_envs_per_stream=cfg.max_envs_per_stream,
+            max_streams=cfg.max_streams,
             sync_env_steps=cfg.learner.sync_env_steps if cfg.learner else 0,
         )
         self.store = TransitionStore(cfg.learner, backend.obs_shape) if cfg.learner else None
@@ -296,6 +307,7 @@ class Activity:
     batches: int
     refused_full: int
     refused_invalid: int
+    refused_streams: int
     version: int
     queue_wait_us_p99: int
     inference_us_p50: int
@@ -311,6 +323,7 @@ class Activity:
             r.batches,
             r.rejected_queue_full,
             r.rejected_invalid,
+            r.rejected_streams,
             r.policy_version,
             r.queue_wait_us_p99,
             r.inference_us_p50,
@@ -322,12 +335,12 @@ def activity_line(before: Activity, now: Activity) -> str | None:
     nothing changed (no rows, the same streams, version and refusals). The percentiles are of
     the last 8,192 requests (queue wait) and batches (inference), as in ``Stats``."""
     rows, batches = now.rows - before.rows, now.batches - before.batches
-    changed = (now.streams, now.version, now.refused_full, now.refused_invalid) != (
-        before.streams,
-        before.version,
-        before.refused_full,
-        before.refused_invalid,
+    refused = (
+        now.refused_full - before.refused_full,
+        now.refused_invalid - before.refused_invalid,
+        now.refused_streams - before.refused_streams,
     )
+    changed = (now.streams, now.version) != (before.streams, before.version) or any(refused)
     if rows == 0 and not changed:
         return None
     seconds = max(now.time_s - before.time_s, 1e-9)
@@ -338,9 +351,8 @@ def activity_line(before: Activity, now: Activity) -> str | None:
             f"inference p50 {now.inference_us_p50 / 1e3:.1f} ms"
         )
     line += f", policy version {now.version}"
-    full, invalid = now.refused_full - before.refused_full, now.refused_invalid - before.refused_invalid
-    if full or invalid:
-        line += f"; refused {full} (queue full), {invalid} (invalid)"
+    if any(refused):
+        line += "; refused {} (queue full), {} (invalid), {} (max_streams)".format(*refused)
     return line
 
 

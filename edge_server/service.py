@@ -117,7 +117,12 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
 
 
 #: What a stream's step can be refused with, before it reaches the batcher (see step_refusal).
+class StreamLimitError(Exception):
+    """A stream's hello came while ``ServerLimits.max_streams`` streams were open."""
+
+
 STEP_REFUSALS = (
+    StreamLimitError,
     InvalidRequestError,
     EnvBusyError,
     SessionTakenOverError,
@@ -136,6 +141,8 @@ def step_refusal(exc: Exception) -> tuple[grpc.StatusCode, str, bool]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), True
     if isinstance(exc, SessionTakenOverError):
         return grpc.StatusCode.ABORTED, str(exc), False
+    if isinstance(exc, StreamLimitError):  # a stream that ends frees one: retried with backoff
+        return grpc.StatusCode.UNAVAILABLE, str(exc), False
     code, message = answer_failure(exc)
     return code, message, False
 
@@ -270,9 +277,37 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self.server_version = server_version
         self.obs_shape = backend.obs_shape
         self.rejected_invalid = 0
+        self.rejected_streams = 0
         self.active_streams = 0
+        self.streams_open = 0
+        """Streams past their hello, over gRPC and the local socket (``max_streams`` bounds it)."""
+        self._session_streams: dict[str, int] = {}
         self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
         self._obs_high = _bound(obs_high, self.obs_shape, np.inf, "obs_high")
+
+    def claim_stream(self, session_id: str) -> None:
+        """Count a stream whose hello was valid; :meth:`release_stream` when it ends.
+
+        Raises:
+            StreamLimitError: ``max_streams`` streams are open, and the hello does not take over
+                a session that has one of them (a client back before its old stream ended).
+        """
+        limit, same = self.limits.max_streams, self._session_streams.get(session_id, 0)
+        if self.streams_open >= limit and same != 1:
+            self.rejected_streams += 1
+            log.info("stream %s refused: %d streams open", session_id, self.streams_open)
+            raise StreamLimitError(
+                f"max_streams: the server has its {limit} streams open; retry when one has ended"
+            )
+        self.streams_open += 1
+        self._session_streams[session_id] = same + 1
+
+    def release_stream(self, session_id: str) -> None:
+        """A stream counted by :meth:`claim_stream` ended."""
+        self.streams_open -= 1
+        left = self._session_streams.pop(session_id) - 1
+        if left:
+            self._session_streams[session_id] = left
 
     # -- Act (bidirectional stream) ------------------------------------------------------------
     async def Act(  # noqa: N802 - gRPC method name
@@ -344,6 +379,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                         req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
                     )
                     opened.session_id = spec.session_id
+                    self.claim_stream(spec.session_id)
                     slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
                         handle = store.open_stream(
@@ -403,6 +439,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         finally:
             if slots is not None:
                 self.batcher.close_stream(slots)
+                self.release_stream(opened.session_id)
 
     def submit_step(
         self,
@@ -506,6 +543,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             max_batch_rows=st.max_batch_rows,
             rejected_queue_full=st.rejected_queue_full,
             rejected_invalid=self.rejected_invalid,
+            rejected_streams=self.rejected_streams,
             active_streams=self.active_streams,
             queue_wait_us_p50=percentile(st.queue_wait_us, 50),
             queue_wait_us_p99=percentile(st.queue_wait_us, 99),

@@ -312,6 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most envs one stream may declare",
     )
     p.add_argument(
+        "--max-streams",
+        type=COUNT,
+        default=_DEFAULT_SERVER.max_streams,
+        help="most Act streams open at once (gRPC and --local-socket together); a stream beyond it "
+        "is refused with UNAVAILABLE, which clients retry with backoff",
+    )
+    p.add_argument(
         "--grace-s",
         type=NON_NEGATIVE,
         default=_DEFAULT_SERVER.grace_s,

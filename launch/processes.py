@@ -572,6 +572,7 @@ def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
             "inference_us_p99": st.inference_us_p99,
             "rejected_queue_full": st.rejected_queue_full,
             "rejected_invalid": st.rejected_invalid,
+            "rejected_streams": st.rejected_streams,
             "policy_version": st.policy_version,
         }
 

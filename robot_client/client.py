@@ -78,6 +78,8 @@ class ServerInfo:
     """Actions per observation (K of ``[n, K, *act_shape]`` answers); 1 for a plain policy."""
     sync_env_steps: int = 0
     """Synchronous mode's actions per env per version (``ServerLimits.sync_env_steps``); 0: none."""
+    max_streams: int = 0
+    """Most streams the server keeps open at once (``ServerLimits.max_streams``); 0: not said."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,6 +444,7 @@ class EdgeClient:
             server_version=r.server_version,
             action_chunk=max(1, r.action_chunk),
             sync_env_steps=lim.sync_env_steps,
+            max_streams=lim.max_streams,
         )
 
     async def describe_for(

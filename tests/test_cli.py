@@ -207,6 +207,7 @@ def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -
         ("sim --server 127.0.0.1:1 --steps -5", "argument --steps: must be >= 0, got -5"),
         ("serve --port 70000", "argument --port: must be in [0, 65535], got 70000"),
         ("serve --max-delay-us -1", "argument --max-delay-us: must be >= 0, got -1"),
+        ("serve --max-streams 0", "argument --max-streams: must be >= 1, got 0"),
         ("bench throughput --seconds 0", "argument --seconds: must be > 0, got 0"),
         ("bench throughput --workers 0", "argument --workers: must be >= 1, got 0"),
         ("bench robot --robots 0", "argument --robots: must be >= 1, got 0"),
@@ -482,6 +483,7 @@ def test_describe_prints_what_the_server_serves(tmp_path: Path, capsys: pytest.C
     assert d["act_low"] == [-1.0] * 3 and d["act_high"] == [1.0] * 3 and d["backend"] == "torch-mlp"
     assert d["obs_low"] == d["obs_high"] == [None] * 11  # unbounded: JSON has no infinity
     assert d["max_batch_size"] == 64 and d["max_envs_per_stream"] == ServerConfig().max_envs_per_stream
+    assert d["max_streams"] == ServerConfig().max_streams
     assert (printed["stats"]["requests"], printed["stats"]["rows"]) == (1, 2)  # the one step above
     # no server: one line and status 1, soon after the timeout
     t0 = time.monotonic()
@@ -774,11 +776,11 @@ def test_serve_options_become_the_server_config() -> None:
     from edgerl.edge_server.server import ServerConfig
     from edgerl.launch.cli import build_parser, config_from_args
 
-    a = build_parser().parse_args(
-        ["serve", "--port", "5151", "--max-delay-us", "250", "--grace-s", "0.5", "--keepalive-s", "0"]
-    )
+    args = "serve --port 5151 --max-delay-us 250 --grace-s 0.5 --keepalive-s 0 --max-streams 12"
+    a = build_parser().parse_args(args.split())
     cfg = config_from_args(ServerConfig, a)
     assert (cfg.port, cfg.max_delay_us, cfg.grace_s, cfg.keepalive_s) == (5151, 250, 0.5, 0.0)
+    assert cfg.max_streams == 12
     assert cfg.max_batch_size == ServerConfig().max_batch_size and cfg.learner is None  # not options
     assert config_from_args(ServerConfig, a, port=0).port == 0  # overrides win
 
@@ -786,8 +788,8 @@ def test_serve_options_become_the_server_config() -> None:
 def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -> None:
     from edgerl.edge_server.server import Activity, activity_line
 
-    before = Activity(10.0, 2, rows=1000, batches=100, refused_full=0, refused_invalid=1, version=3,
-                      queue_wait_us_p99=0, inference_us_p50=0)  # fmt: skip
+    before = Activity(10.0, 2, rows=1000, batches=100, refused_full=0, refused_invalid=1, refused_streams=0,
+                      version=3, queue_wait_us_p99=0, inference_us_p50=0)  # fmt: skip
     busy = dataclasses.replace(
         before, time_s=12.0, rows=9000, batches=600, queue_wait_us_p99=1250, inference_us_p50=800
     )
@@ -798,7 +800,13 @@ def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -
     assert activity_line(busy, dataclasses.replace(busy, time_s=22.0)) is None  # idle: no line
     left = dataclasses.replace(busy, time_s=22.0, streams=1, version=4, refused_full=5, refused_invalid=3)
     assert activity_line(busy, left) == (
-        "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; refused 5 (queue full), 2 (invalid)"
+        "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; "
+        "refused 5 (queue full), 2 (invalid), 0 (max_streams)"
+    )
+    crowded = dataclasses.replace(left, time_s=32.0, refused_streams=7)  # nothing but refusals
+    assert activity_line(left, crowded) == (
+        "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; "
+        "refused 0 (queue full), 0 (invalid), 7 (max_streams)"
     )
 
 

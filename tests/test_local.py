@@ -481,6 +481,7 @@ def test_a_client_gone_mid_stream_frees_its_stream_and_the_others_go_on(
             writer.transport.abort()  # gone without reading what the server sent
             assert await waited(lambda: server.servicer.active_streams == 1, 5.0)
             assert gone not in server.local.streams and len(server.local.streams) == 1
+            assert server.servicer.streams_open == 1
             assert server.batcher.waited_streams == 1
             for ids in ([0, 1], [2, 3], [0, 1]):
                 await _ask(good, ids)  # the other stream is served
@@ -489,6 +490,60 @@ def test_a_client_gone_mid_stream_frees_its_stream_and_the_others_go_on(
             assert server.servicer.rejected_invalid == 0
 
     run_without_warnings(main(), caplog)
+
+
+def test_local_and_grpc_streams_count_together_against_max_streams(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(EchoPolicy(OBS, ACT), local_socket=path, max_streams=2) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with _connected(path) as local, EdgeClient(address) as client:
+                remote = await client.open_stream(session_id="remote", num_envs=2, obs_shape=(OBS,))
+                await remote.send([0, 1], _rows([0, 1]).obs, np.zeros(2), [False] * 2, [False] * 2)
+                await remote.recv()
+                async with _connected(path, greet=False) as (reader, writer):
+                    writer.write(_settings(session_id="third"))
+                    code, details = await _refusal(reader)
+                assert (code, details) == ("UNAVAILABLE", "max_streams: the server has its 2 streams open; "
+                                           "retry when one has ended")  # fmt: skip
+                with pytest.raises(errors.ServerUnavailableError, match="max_streams"):
+                    await act_once(address, _rows([0]).obs, session_id="fourth")
+                await _ask(local, [0, 1])  # both open streams are served
+                await remote.send([0, 1], _rows([0, 1]).obs, np.zeros(2), [False] * 2, [False] * 2)
+                await remote.recv()
+                await remote.close()
+                assert await waited(lambda: server.servicer.streams_open == 1, 5.0)
+                async with _connected(path, _settings(session_id="fifth")) as fifth:  # its place
+                    await _ask(fifth, [2, 3])
+            assert await waited(lambda: server.servicer.streams_open == 0, 5.0)
+            assert (server.servicer.rejected_streams, server.servicer.rejected_invalid) == (2, 0)
+
+    run(main())
+
+
+def test_a_sim_worker_refused_for_max_streams_waits_and_steps_once_a_stream_ends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with running_server(_pendulum_backend(), local_socket=path, max_streams=1) as server:
+            holder = await asyncio.open_unix_connection(path)
+            holder[1].write(_settings(session_id="holder", obs_shape=[4]))
+            assert (await _read(holder[0]))[:1] == frames.UP
+            worker = _worker(path, max_steps=500)
+            try:
+                run = asyncio.ensure_future(worker.run())
+                assert await waited(lambda: server.servicer.rejected_streams >= 2, 10.0)  # it retries
+                assert worker.progress.steps == 0 and not run.done()
+                holder[1].close()
+                progress = await asyncio.wait_for(run, 60.0)
+            finally:
+                worker.close()
+            assert progress.steps >= 500 and progress.reconnects >= 2
+        assert "max_streams: the server has its 1 streams open" in caplog.text
+
+    with caplog.at_level(logging.WARNING, logger="edgerl.robot_client.sim_worker"):
+        run(main())
 
 
 def test_local_stream_collects_the_same_transitions_as_the_act_rpc(tmp_path: Path) -> None:

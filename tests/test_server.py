@@ -747,6 +747,7 @@ BAD_SETTINGS: dict[str, tuple[object, str]] = {
         "max_message_bytes must be in [1024, 2147483647], got 2147483648",
     ),
     "max_envs_per_stream": (0, "max_envs_per_stream must be >= 1, got 0"),
+    "max_streams": (0, "max_streams must be >= 1, got 0"),
     "grace_s": (-0.5, "grace_s must be >= 0, got -0.5"),
 }
 
@@ -908,6 +909,65 @@ def test_full_queue_yields_resource_exhausted() -> None:
                 assert (await first.recv()).actions.shape == (4, ACT)
                 assert (await second.recv()).actions.shape == (4, ACT)
                 assert (await client.stats()).rejected_queue_full == 1
+
+    run(main())
+
+
+def test_a_stream_beyond_max_streams_is_refused_unavailable_and_the_open_ones_are_served() -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT), max_streams=2) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                assert (await client.describe()).max_streams == 2
+                a, b = await _healthy_stream(client, "a"), await _healthy_stream(client, "b")
+                await _round_trip(a)
+                await _round_trip(b)
+                c = await _healthy_stream(client, "c")
+                with pytest.raises(errors.ServerUnavailableError, match="max_streams: the server has its 2 "):
+                    await _round_trip(c)
+                await c.close()
+                await _round_trip(a)  # the open streams go on
+                await _round_trip(b)
+                assert server.servicer.streams_open == 2
+                await b.close()  # one ends: its place is free
+                assert await waited(lambda: server.servicer.streams_open == 1, 5.0)
+                d = await _healthy_stream(client, "d")
+                await _round_trip(d)
+                stats = await client.stats()
+                assert (stats.rejected_streams, stats.rejected_invalid) == (1, 0)
+                for stream in (a, d):
+                    await stream.close()
+            assert await waited(lambda: server.servicer.streams_open == 0, 5.0)
+
+    run(main())
+
+
+def test_at_max_streams_a_client_back_before_its_old_stream_ended_takes_its_session_over() -> None:
+    """A robot whose link died reconnects before the server has seen its old stream end: the
+    new stream for the same session is let in past the limit, once; the old one is ABORTED at
+    its next step (the learner's store hands the session to the newest stream)."""
+
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=2)
+        async with running_server(EchoPolicy(OBS, ACT), max_streams=2, learner=learner) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                old, other = await _healthy_stream(client, "robot-1"), await _healthy_stream(client, "b")
+                await _round_trip(old)
+                await _round_trip(other)
+                new = await _healthy_stream(client, "robot-1")
+                await _round_trip(new)
+                assert server.servicer.streams_open == 3
+                third = await _healthy_stream(client, "robot-1")  # the session has two open now
+                with pytest.raises(errors.ServerUnavailableError, match="max_streams"):
+                    await _round_trip(third)
+                with pytest.raises(errors.AbortedError, match="taken over"):
+                    await _round_trip(old)
+                assert await waited(lambda: server.servicer.streams_open == 2, 5.0)
+                await _round_trip(new)
+                await _round_trip(other)
+                for stream in (old, new, other, third):
+                    await stream.close()
+            assert await waited(lambda: server.servicer.streams_open == 0, 5.0)
+            assert server.servicer.rejected_streams == 1
 
     run(main())
 

@@ -127,20 +127,22 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream", "sync_env_steps")
+    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream", "sync_env_steps", "max_streams")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENVS_PER_STREAM_FIELD_NUMBER: _ClassVar[int]
     SYNC_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_delay_us: int
     max_queue_rows: int
     max_message_bytes: int
     max_envs_per_stream: int
     sync_env_steps: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ..., sync_env_steps: _Optional[int] = ...) -> None: ...
+    max_streams: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ..., sync_env_steps: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("observation_space", "action_space", "policy_version", "limits", "backend", "env_name", "server_version", "action_chunk")
@@ -167,7 +169,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes", "sessions_forgotten")
+    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes", "sessions_forgotten", "rejected_streams")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,7 @@ class StatsResponse(_message.Message):
     BACKPRESSURE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_PUBLISHES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     requests: int
     batches: int
     rows: int
@@ -208,7 +211,8 @@ class StatsResponse(_message.Message):
     backpressure_wait_us: int
     weight_publishes: int
     sessions_forgotten: int
-    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ..., sessions_forgotten: _Optional[int] = ...) -> None: ...
+    rejected_streams: int
+    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ..., sessions_forgotten: _Optional[int] = ..., rejected_streams: _Optional[int] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("seq", "session_id", "env_id", "episode", "t", "obs", "actions", "log_probs", "values", "policy_versions", "rewards", "terminated", "truncated", "fallback", "autoreset", "bootstrap_obs", "joined_mid_episode")
