@@ -53,6 +53,21 @@ def _status_now(call: grpc.aio.Call) -> tuple[grpc.StatusCode, str] | None:
     return (got[0], got[1]) if len(got) == 2 else None
 
 
+def _stream_error(code: grpc.StatusCode, details: str) -> errors.EdgeRLError:
+    """The named error of a stream that ended with ``code`` and ``details``. :data:`_WRITE_RACE`
+    that the call ended with from the start (a server stopped with a write of the client's in
+    flight) holds no status of the server's: the stream broke, and the caller may retry it, as
+    it retries a server that went away. A refusal that the race hid comes again on the next
+    stream, where the race is rare: edgerl's server ends a refused stream once its client has
+    gone quiet."""
+    if (code, details) == _WRITE_RACE:
+        return errors.ServerUnavailableError(
+            "the stream broke with a write in flight, and gRPC kept no status of the server's "
+            f"({details}, grpc/grpc#36066)"
+        )
+    return errors.from_grpc(_StatusOnly(code, details))
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """What ``Describe`` reports, decoded."""
@@ -184,8 +199,12 @@ class ActStream:
             The message's sequence number.
 
         Raises:
+            RpcError: the stream has ended (named by its status: a refused hello, say), whether
+                or not a recv() has raised it already.
             EdgeRLError: too many messages in flight, or the stream failed.
         """
+        if self._call.done():  # the server ended it: its status, not a write that goes nowhere
+            raise await self._final_error()
         if self.inflight >= self.max_inflight:
             raise errors.EdgeRLError(
                 f"{self.inflight} messages in flight, max_inflight is {self.max_inflight}"
@@ -275,7 +294,7 @@ class ActStream:
             async with asyncio.timeout(0.2):
                 return await self._final_error()
         except TimeoutError:
-            return errors.from_grpc(exc)
+            return _stream_error(exc.code(), exc.details() or "")
 
     async def _final_error(self) -> errors.EdgeRLError:
         code, details = await self._call.code(), await self._call.details()
@@ -283,7 +302,7 @@ class ActStream:
             code, details = self._first_status  # the server's, which gRPC's went over
         if code == grpc.StatusCode.OK:
             return errors.ProtocolError("server closed the stream with messages unanswered")
-        return errors.from_grpc(_StatusOnly(code, details))
+        return _stream_error(code, details)
 
     async def close(self) -> None:
         """Half-close, and cancel whatever is still unanswered."""
