@@ -23,7 +23,13 @@ from edgerl.edge_server.local import LocalActServer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.keepalive import check_keepalive, keepalive_options
-from edgerl.proto.settings import check_finite, check_message_bytes, check_socket_path
+from edgerl.proto.settings import (
+    UINT64_MAX,
+    check_finite,
+    check_message_bytes,
+    check_socket_path,
+    check_wire_int,
+)
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 
@@ -86,6 +92,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
+        for name in ("max_batch_size", "max_queue_rows", "max_envs_per_stream", "max_streams"):
+            check_wire_int(name, getattr(self, name))  # ServerLimits carries them
+        check_wire_int("max_delay_us", self.max_delay_us, UINT64_MAX)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_batch_size < 1:

@@ -50,7 +50,7 @@ import numpy as np
 
 from edgerl.edge_server.batcher import BatchResult
 from edgerl.proto import tensors
-from edgerl.proto.settings import check_finite
+from edgerl.proto.settings import check_finite, check_wire_int
 from edgerl.proto.v1 import edge_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class TransitionConfig:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {self.overflow!r}")
         if self.sync_env_steps < 0:
             raise ValueError(f"sync_env_steps must be >= 0, got {self.sync_env_steps}")
+        check_wire_int("sync_env_steps", self.sync_env_steps)  # ServerLimits carries it
         if self.weight_sync_interval < 1:
             raise ValueError(f"weight_sync_interval must be >= 1, got {self.weight_sync_interval}")
         if self.closed_session_keep_s < 0:

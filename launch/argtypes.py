@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from edgerl.proto.settings import socket_path_problem
+from edgerl.proto.settings import UINT32_MAX, UINT64_MAX, socket_path_problem
 
 _N = TypeVar("_N", int, float)
 
@@ -25,9 +25,8 @@ def bounded(
     """An argparse ``type``: a number of ``kind`` at least ``low`` (above it with ``above``) and at
     most ``high``; NaN and infinity are refused."""
     name = getattr(kind, "__name__", "number")
-    bound = (
-        f"> {low:.15g}" if above else f">= {low:.15g}" if high is None else f"in [{low:.15g}, {high:.15g}]"
-    )
+    lo = _shown(low)
+    bound = f"> {lo}" if above else f">= {lo}" if high is None else f"in [{lo}, {_shown(high)}]"
 
     def parse(text: str) -> _N:
         try:
@@ -44,6 +43,12 @@ def bounded(
     return parse
 
 
+def _shown(bound: float) -> str:
+    """A bound as a message gives it: an int whole (2**64 - 1 is 18446744073709551615), a float
+    to 15 significant digits."""
+    return str(bound) if isinstance(bound, int) else f"{bound:.15g}"
+
+
 COUNT = bounded(int, 1)
 """An int >= 1: envs, workers, robots, repeats."""
 NON_NEGATIVE_INT = bounded(int, 0)
@@ -56,6 +61,10 @@ PROBABILITY = bounded(float, 0.0, 1.0)
 """A float in [0, 1]."""
 PORT = bounded(int, 0, 65535)
 """A TCP port; 0 picks a free one."""
+WIRE_COUNT = bounded(int, 1, UINT32_MAX)
+"""An int >= 1 that the wire carries as a ``uint32``: a server limit that ``Describe`` reports."""
+WIRE_MICROSECONDS = bounded(int, 0, UINT64_MAX)
+"""An int >= 0 that the wire carries as a ``uint64``: ``--max-delay-us``."""
 
 
 def socket_path(text: str) -> str:

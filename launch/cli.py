@@ -22,6 +22,8 @@ from edgerl.launch.argtypes import (
     NON_NEGATIVE_INT,
     PORT,
     POSITIVE,
+    WIRE_COUNT,
+    WIRE_MICROSECONDS,
     add_json_option,
     bounded,
     output_file,
@@ -169,13 +171,13 @@ def _add_policy(p: argparse.ArgumentParser, *, checkpoint: bool = False) -> None
 def _add_batching(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-batch-size",
-        type=COUNT,
+        type=WIRE_COUNT,
         default=_DEFAULT_SERVER.max_batch_size,
         help="most observation rows per forward pass",
     )
     p.add_argument(
         "--max-delay-us",
-        type=NON_NEGATIVE_INT,
+        type=WIRE_MICROSECONDS,
         default=_DEFAULT_SERVER.max_delay_us,
         help="longest the oldest queued request waits for a fuller batch (microseconds)",
     )
@@ -295,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batching(p)
     p.add_argument(
         "--max-queue-rows",
-        type=COUNT,
+        type=WIRE_COUNT,
         default=_DEFAULT_SERVER.max_queue_rows,
         help="most rows queued at once; beyond it RESOURCE_EXHAUSTED",
     )
@@ -307,13 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-envs-per-stream",
-        type=COUNT,
+        type=WIRE_COUNT,
         default=_DEFAULT_SERVER.max_envs_per_stream,
         help="most envs one stream may declare",
     )
     p.add_argument(
         "--max-streams",
-        type=COUNT,
+        type=WIRE_COUNT,
         default=_DEFAULT_SERVER.max_streams,
         help="most Act streams open at once (gRPC and --local-socket together); a stream beyond it "
         "is refused with UNAVAILABLE, which clients retry with backoff",
@@ -433,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replicas(p, chosen=True)
     p.add_argument(
         "--max-delay-us",
-        type=NON_NEGATIVE_INT,
+        type=WIRE_MICROSECONDS,
         default=_DEFAULT_SERVER.max_delay_us,
         help="edge server batching delay (microseconds)",
     )

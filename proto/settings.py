@@ -15,6 +15,23 @@ GRPC_MAX_S = GRPC_INT_MAX // 1000
 """The longest time a gRPC option takes, in whole seconds (2,147,483 s, about 24.8 days)."""
 
 
+UINT32_MAX = 2**32 - 1
+"""The largest count a ``uint32`` field of the wire carries (``ServerLimits``' counts)."""
+UINT64_MAX = 2**64 - 1
+"""The largest number a ``uint64`` field of the wire carries (``ServerLimits.max_delay_us``)."""
+
+
+def check_wire_int(name: str, value: int, top: int = UINT32_MAX) -> None:
+    """Refuse a setting larger than its field on the wire carries: protobuf refused it only when
+    the server built its ``Describe`` answer, with ``Value out of range: <value>``, naming nothing.
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if value > top:
+        raise ValueError(f"{name} must be at most {top}, got {value}")
+
+
 def check_message_bytes(value: int) -> None:
     """Refuse a ``max_message_bytes`` below 1 KiB or above what gRPC takes (a C int).
 

@@ -206,8 +206,21 @@ def test_groups_default_to_double_buffering_and_to_lockstep_for_a_single_env() -
         ("rollout --torch-threads 0", "argument --torch-threads: must be >= 1, got 0"),
         ("sim --server 127.0.0.1:1 --steps -5", "argument --steps: must be >= 0, got -5"),
         ("serve --port 70000", "argument --port: must be in [0, 65535], got 70000"),
-        ("serve --max-delay-us -1", "argument --max-delay-us: must be >= 0, got -1"),
-        ("serve --max-streams 0", "argument --max-streams: must be >= 1, got 0"),
+        ("serve --max-delay-us -1", "argument --max-delay-us: must be in [0, 18446744073709551615], got -1"),
+        ("serve --max-streams 0", "argument --max-streams: must be in [1, 4294967295], got 0"),
+        # beyond what the wire carries: "edgerl: error: Value out of range: 5000000000" at start before
+        (
+            "serve --max-batch-size 5000000000",
+            "argument --max-batch-size: must be in [1, 4294967295], got 5000000000",
+        ),
+        (
+            "serve --max-queue-rows 4294967296",
+            "argument --max-queue-rows: must be in [1, 4294967295], got 4294967296",
+        ),
+        (
+            "bench throughput --max-delay-us 18446744073709551616",
+            "argument --max-delay-us: must be in [0, 18446744073709551615], got 18446744073709551616",
+        ),
         ("bench throughput --seconds 0", "argument --seconds: must be > 0, got 0"),
         ("bench throughput --workers 0", "argument --workers: must be >= 1, got 0"),
         ("bench robot --robots 0", "argument --robots: must be >= 1, got 0"),

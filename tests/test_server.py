@@ -748,6 +748,17 @@ BAD_SETTINGS: dict[str, tuple[object, str]] = {
     ),
     "max_envs_per_stream": (0, "max_envs_per_stream must be >= 1, got 0"),
     "max_streams": (0, "max_streams must be >= 1, got 0"),
+    # beyond what ServerLimits carries: protobuf's "Value out of range: 4294967296" at start before
+    "max_batch_size beyond a uint32": (2**32, "max_batch_size must be at most 4294967295, got 4294967296"),
+    "max_envs_per_stream beyond a uint32": (
+        2**32,
+        "max_envs_per_stream must be at most 4294967295, got 4294967296",
+    ),
+    "max_streams beyond a uint32": (2**32, "max_streams must be at most 4294967295, got 4294967296"),
+    "max_delay_us beyond a uint64": (
+        2**64,
+        "max_delay_us must be at most 18446744073709551615, got 18446744073709551616",
+    ),
     "grace_s": (-0.5, "grace_s must be >= 0, got -0.5"),
 }
 

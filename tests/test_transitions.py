@@ -580,6 +580,10 @@ BAD_SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "overflow": ({"overflow": "spill"}, "overflow must be one of ('block', 'drop'), got 'spill'"),
     "sync_env_steps": ({"sync_env_steps": -1}, "sync_env_steps must be >= 0, got -1"),
+    "sync_env_steps beyond a uint32": (
+        {"sync_env_steps": 2**32},
+        "sync_env_steps must be at most 4294967295, got 4294967296",
+    ),
     "weight_sync_interval": ({"weight_sync_interval": 0}, "weight_sync_interval must be >= 1, got 0"),
     "closed_session_keep_s": (
         {"closed_session_keep_s": -1.0},
