@@ -116,11 +116,11 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
     )
 
 
-#: What a stream's step can be refused with, before it reaches the batcher (see step_refusal).
 class StreamLimitError(Exception):
     """A stream's hello came while ``ServerLimits.max_streams`` streams were open."""
 
 
+#: What a stream's step can be refused with, before it reaches the batcher (see step_refusal).
 STEP_REFUSALS = (
     StreamLimitError,
     InvalidRequestError,
@@ -297,7 +297,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             self.rejected_streams += 1
             log.info("stream %s refused: %d streams open", session_id, self.streams_open)
             raise StreamLimitError(
-                f"max_streams: the server has its {limit} streams open; retry when one has ended"
+                f"max_streams: {self.streams_open} stream(s) open, the server takes at most {limit}; "
+                "retry when one has ended"
             )
         self.streams_open += 1
         self._session_streams[session_id] = same + 1

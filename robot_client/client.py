@@ -260,7 +260,11 @@ class ActStream:
 
         Raises:
             DeadlineExceededError: no answer within ``timeout_s`` (default: the stream's).
-            RpcError: the server ended the stream with a status (named subclass).
+            RpcError: the server ended the stream with a status (named subclass); ``CANCELLED``
+                where the call was cancelled on this side (a read of it cancelled before, which
+                gRPC takes for cancelling the call), ``ServerUnavailableError`` where the stream
+                broke (gRPC's bare INTERNAL, see :func:`_stream_error`).
+            EdgeRLError: no message in flight.
         """
         if self.inflight <= 0:
             raise errors.EdgeRLError("recv() with no message in flight")

@@ -504,8 +504,11 @@ def test_local_and_grpc_streams_count_together_against_max_streams(tmp_path: Pat
                 async with _connected(path, greet=False) as (reader, writer):
                     writer.write(_settings(session_id="third"))
                     code, details = await _refusal(reader)
-                assert (code, details) == ("UNAVAILABLE", "max_streams: the server has its 2 streams open; "
-                                           "retry when one has ended")  # fmt: skip
+                assert code == "UNAVAILABLE"
+                assert (
+                    details
+                    == "max_streams: 2 stream(s) open, the server takes at most 2; retry when one has ended"
+                )
                 with pytest.raises(errors.ServerUnavailableError, match="max_streams"):
                     await act_once(address, _rows([0]).obs, session_id="fourth")
                 await _ask(local, [0, 1])  # both open streams are served
@@ -532,15 +535,15 @@ def test_a_sim_worker_refused_for_max_streams_waits_and_steps_once_a_stream_ends
             assert (await _read(holder[0]))[:1] == frames.UP
             worker = _worker(path, max_steps=500)
             try:
-                run = asyncio.ensure_future(worker.run())
+                running = asyncio.ensure_future(worker.run())
                 assert await waited(lambda: server.servicer.rejected_streams >= 2, 10.0)  # it retries
-                assert worker.progress.steps == 0 and not run.done()
+                assert worker.progress.steps == 0 and not running.done()
                 holder[1].close()
-                progress = await asyncio.wait_for(run, 60.0)
+                progress = await asyncio.wait_for(running, 60.0)
             finally:
                 worker.close()
             assert progress.steps >= 500 and progress.reconnects >= 2
-        assert "max_streams: the server has its 1 streams open" in caplog.text
+        assert "max_streams: 1 stream(s) open, the server takes at most 1" in caplog.text
 
     with caplog.at_level(logging.WARNING, logger="edgerl.robot_client.sim_worker"):
         run(main())
