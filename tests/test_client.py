@@ -660,7 +660,7 @@ def test_a_stream_that_grpc_ended_with_its_own_bare_internal_reads_as_unavailabl
     may end the call with its bare INTERNAL from the start, holding no status of the server's (2
     in 150 kill-and-restart cycles of a sim worker; no loopback setup here brings it on at will).
     The sim worker took it for a refusal and gave up on a server it could have ridden through
-    (test_a_sim_worker_rides_through_server_restarts, once in a full run). It is a broken
+    (test_a_sim_worker_rides_through_server_restarts, once in 57 runs). It is a broken
     stream, retried with backoff; any other status keeps its own name."""
     broke = client_module._stream_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
     assert isinstance(broke, errors.ServerUnavailableError)
