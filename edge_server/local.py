@@ -133,11 +133,20 @@ class _LocalStream(asyncio.Protocol):
         self._handle: StreamHandle | None = None
         self._pending: deque[_Pending] = deque()
         self._ended = False
+        self._no_hello: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream socket's (uvloop's is no subclass)
         self._owner.streams.add(self)
+        hello_s = self._servicer.hello_timeout_s
+        if hello_s:
+            self._no_hello = asyncio.get_running_loop().call_later(hello_s, self._hello_overdue)
+
+    def _hello_overdue(self) -> None:
+        if self._spec is None:
+            missing = "settings: no settings frame (C)"
+            self._refuse(grpc.StatusCode.DEADLINE_EXCEEDED, self._servicer.hello_overdue(missing))
 
     def data_received(self, data: bytes) -> None:
         if self._ended:
@@ -160,6 +169,8 @@ class _LocalStream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
+        if self._no_hello is not None:
+            self._no_hello.cancel()
         self._owner.streams.discard(self)
         for p in self._pending:  # rows waiting for admission go with the stream
             if isinstance(p.future, asyncio.Task):

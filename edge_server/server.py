@@ -66,6 +66,11 @@ class ServerConfig:
     every client with it. A hello beyond the limit gets UNAVAILABLE, which every edgerl client
     retries with backoff, unless it takes over a session that has one stream open: a client that
     reconnects before the server saw its old stream end is let in."""
+    hello_timeout_s: float = 10.0
+    """How long an Act stream may go without its hello, from its start (seconds); then it is
+    refused with DEADLINE_EXCEEDED. edgerl's clients send the hello as they open a stream; a
+    call that never sends one is not counted by ``max_streams`` and would hold its handler for
+    good. 0: no limit."""
     grace_s: float = 5.0
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
     keepalive_s: float = 30.0
@@ -110,6 +115,8 @@ class ServerConfig:
             raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
         if self.max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
+        if self.hello_timeout_s < 0:
+            raise ValueError(f"hello_timeout_s must be >= 0, got {self.hello_timeout_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         check_keepalive(self.keepalive_s, self.keepalive_timeout_s, off=True)
@@ -187,6 +194,7 @@ class EdgeServer:
             obs_high=obs_high,
             server_version=package_version(),
             store=self.store,
+            hello_timeout_s=cfg.hello_timeout_s,
         )
         self.auth = TokenAuthInterceptor(load_tokens(cfg.tokens)) if cfg.tokens else None
         self.health = health.aio.HealthServicer()

@@ -73,6 +73,7 @@ class _Opened(_Reads):
     the transition-store claims to close when the stream ends."""
 
     session_id: str = "?"
+    hello: bool = False
     handles: list[StreamHandle] = field(default_factory=list)
 
 
@@ -268,8 +269,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         obs_high: np.ndarray | None = None,
         server_version: str = "",
         store: TransitionStore | None = None,
+        hello_timeout_s: float = 0.0,
     ) -> None:
         self.batcher = batcher
+        self.hello_timeout_s = hello_timeout_s
         self.store = store
         self.backend = backend
         self.env_name = env_name
@@ -316,7 +319,13 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     ) -> None:
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
         opened = _Opened()
-        reader = asyncio.get_running_loop().create_task(self._read_stream(request_iterator, pending, opened))
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_stream(request_iterator, pending, opened))
+        no_hello = (
+            loop.call_later(self.hello_timeout_s, self._hello_overdue, opened, pending)
+            if self.hello_timeout_s
+            else None
+        )
         self.active_streams += 1
         store = self.store
         try:
@@ -341,6 +350,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     return
                 await write_message(context, response)
         finally:
+            if no_hello is not None:
+                no_hello.cancel()
             self.active_streams -= 1
             reader.cancel()
             while not pending.empty():  # requests still waiting for admission go with the stream
@@ -350,6 +361,18 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             if store is not None:
                 for handle in opened.handles:
                     store.close_stream(handle)
+
+    def hello_overdue(self, missing: str = "hello: no StreamHello") -> str:
+        """The refusal of a stream without its hello ``hello_timeout_s`` after its start (counted
+        as invalid); ``missing`` names what did not come."""
+        self.rejected_invalid += 1
+        return f"{missing} within {self.hello_timeout_s:g} s of the stream's start"
+
+    def _hello_overdue(self, opened: _Opened, out: asyncio.Queue[_Pending | _Abort | None]) -> None:
+        if not opened.hello and not opened.ending:  # (a stream refused already is ending)
+            message = self.hello_overdue()
+            log.warning("stream refused: %s", message)
+            out.put_nowait(_Abort(grpc.StatusCode.DEADLINE_EXCEEDED, message))
 
     async def _read_stream(
         self,
@@ -379,7 +402,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     spec = check_hello(
                         req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
                     )
-                    opened.session_id = spec.session_id
+                    opened.session_id, opened.hello = spec.session_id, True
                     self.claim_stream(spec.session_id)
                     slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:

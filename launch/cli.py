@@ -321,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
         "is refused with UNAVAILABLE, which clients retry with backoff",
     )
     p.add_argument(
+        "--hello-timeout-s",
+        type=NON_NEGATIVE,
+        default=_DEFAULT_SERVER.hello_timeout_s,
+        help="refuse an Act stream that has not sent its hello this long after its start, with "
+        "DEADLINE_EXCEEDED (0: no limit)",
+    )
+    p.add_argument(
         "--grace-s",
         type=NON_NEGATIVE,
         default=_DEFAULT_SERVER.grace_s,

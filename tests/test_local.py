@@ -524,6 +524,23 @@ def test_local_and_grpc_streams_count_together_against_max_streams(tmp_path: Pat
     run(main())
 
 
+def test_a_local_stream_without_its_settings_is_refused_after_hello_timeout_s(tmp_path: Path) -> None:
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with (
+            running_server(EchoPolicy(OBS, ACT), local_socket=path, hello_timeout_s=0.3) as server,
+            _connected(path) as good,
+            _connected(path, greet=False) as (reader, _),
+        ):
+            code, details = await _refusal(reader)  # nothing sent
+            assert code == "DEADLINE_EXCEEDED"
+            assert details == "settings: no settings frame (C) within 0.3 s of the stream's start"
+            await _ask(good, [0, 1])  # the stream that sent its settings is served
+            assert server.servicer.rejected_invalid == 1
+
+    run(main())
+
+
 def test_a_sim_worker_refused_for_max_streams_waits_and_steps_once_a_stream_ends(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
