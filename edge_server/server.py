@@ -97,13 +97,14 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_finite(self)
+        for name in ("max_batch_size", "max_envs_per_stream", "max_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_size", "max_queue_rows", "max_envs_per_stream", "max_streams"):
             check_wire_int(name, getattr(self, name))  # ServerLimits carries them
         check_wire_int("max_delay_us", self.max_delay_us, UINT64_MAX)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_delay_us < 0:
             raise ValueError(f"max_delay_us must be >= 0, got {self.max_delay_us}")
         if self.max_queue_rows < self.max_batch_size:
@@ -111,10 +112,6 @@ class ServerConfig:
                 f"max_queue_rows ({self.max_queue_rows}) must be >= max_batch_size ({self.max_batch_size})"
             )
         check_message_bytes(self.max_message_bytes)
-        if self.max_envs_per_stream < 1:
-            raise ValueError(f"max_envs_per_stream must be >= 1, got {self.max_envs_per_stream}")
-        if self.max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1, got {self.max_streams}")
         if self.hello_timeout_s < 0:
             raise ValueError(f"hello_timeout_s must be >= 0, got {self.hello_timeout_s}")
         if self.grace_s < 0:

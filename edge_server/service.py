@@ -282,11 +282,15 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self.rejected_invalid = 0
         self.rejected_streams = 0
         self.active_streams = 0
-        self.streams_open = 0
-        """Streams past their hello, over gRPC and the local socket (``max_streams`` bounds it)."""
         self._session_streams: dict[str, int] = {}
+        """Streams past their hello, by session, over gRPC and the local socket."""
         self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
         self._obs_high = _bound(obs_high, self.obs_shape, np.inf, "obs_high")
+
+    @property
+    def streams_open(self) -> int:
+        """Streams past their hello, over gRPC and the local socket (``max_streams`` bounds it)."""
+        return sum(self._session_streams.values())
 
     def claim_stream(self, session_id: str) -> None:
         """Count a stream whose hello was valid; :meth:`release_stream` when it ends.
@@ -295,20 +299,19 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             StreamLimitError: ``max_streams`` streams are open, and the hello does not take over
                 a session that has one of them (a client back before its old stream ended).
         """
-        limit, same = self.limits.max_streams, self._session_streams.get(session_id, 0)
-        if self.streams_open >= limit and same != 1:
+        limit, now = self.limits.max_streams, self.streams_open
+        same = self._session_streams.get(session_id, 0)
+        if now >= limit and same != 1:
             self.rejected_streams += 1
-            log.info("stream %s refused: %d streams open", session_id, self.streams_open)
+            log.info("stream %s refused: %d streams open", session_id, now)
             raise StreamLimitError(
-                f"max_streams: {self.streams_open} stream(s) open, the server takes at most {limit}; "
+                f"max_streams: {now} stream(s) open, the server takes at most {limit}; "
                 "retry when one has ended"
             )
-        self.streams_open += 1
         self._session_streams[session_id] = same + 1
 
     def release_stream(self, session_id: str) -> None:
         """A stream counted by :meth:`claim_stream` ended."""
-        self.streams_open -= 1
         left = self._session_streams.pop(session_id) - 1
         if left:
             self._session_streams[session_id] = left

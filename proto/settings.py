@@ -32,6 +32,17 @@ def check_wire_int(name: str, value: int, top: int = UINT32_MAX) -> None:
         raise ValueError(f"{name} must be at most {top}, got {value}")
 
 
+def check_backoff(initial_s: float, max_s: float) -> None:
+    """Refuse a reconnect backoff that does not grow from ``initial_s`` to ``max_s`` within what
+    gRPC takes (:data:`GRPC_MAX_S`).
+
+    Raises:
+        ValueError: naming ``backoff_initial_s`` and ``backoff_max_s``.
+    """
+    if not 0 < initial_s <= max_s <= GRPC_MAX_S:
+        raise ValueError(f"need 0 < backoff_initial_s <= backoff_max_s <= {GRPC_MAX_S}")
+
+
 def check_message_bytes(value: int) -> None:
     """Refuse a ``max_message_bytes`` below 1 KiB or above what gRPC takes (a C int).
 

@@ -39,6 +39,12 @@ write of the client's was in flight as the stream ended (grpc/grpc#36066): the s
 refusal (a bad hello, a step, its shutdown) would read as this bare INTERNAL."""
 
 
+_OPERATION_FAILURES = (grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError)
+"""What a read or write of a stream's call raises when the call fails or has ended:
+``InvalidStateError`` for an operation on a call that ended, ``CancelledError`` also for one on
+a call cancelled on this side (see :func:`_being_cancelled`)."""
+
+
 def _status_now(call: grpc.aio.Call) -> tuple[grpc.StatusCode, str] | None:
     """The status of ``call`` as it stands, read without waiting; None if it has not ended.
     (``code()`` and ``details()`` are coroutines that return at once once the call has ended.)"""
@@ -246,14 +252,8 @@ class ActStream:
                 await write
         except TimeoutError:
             raise errors.DeadlineExceededError(f"a write took over {self.timeout_s}s") from None
-        except grpc.aio.AioRpcError as exc:
-            raise await self._call_error(exc) from None
-        except asyncio.InvalidStateError:
-            raise await self._final_error() from None
-        except asyncio.CancelledError:
-            if _being_cancelled():
-                raise
-            raise await self._final_error() from None
+        except _OPERATION_FAILURES as exc:
+            raise await self._operation_error(exc) from None
 
     async def recv(self, timeout_s: float | None = None) -> Actions:
         """The actions answering the oldest unanswered message.
@@ -276,18 +276,25 @@ class ActStream:
             raise errors.DeadlineExceededError(
                 f"no answer to step {self._next_recv} within {timeout}s"
             ) from None
-        except grpc.aio.AioRpcError as exc:
-            raise await self._call_error(exc) from None
-        except asyncio.CancelledError:
-            if _being_cancelled():
-                raise
-            raise await self._final_error() from None
+        except _OPERATION_FAILURES as exc:
+            raise await self._operation_error(exc) from None
         if resp is grpc.aio.EOF:
             raise await self._final_error()
         if resp.seq != self._next_recv:
             raise errors.ProtocolError(f"answer for step {resp.seq}, expected {self._next_recv}")
         self._next_recv += 1
         return _decode_actions(resp)
+
+    async def _operation_error(self, exc: BaseException) -> errors.EdgeRLError:
+        """The error of a read or write of the call that failed with ``exc``, one of
+        :data:`_OPERATION_FAILURES`: gRPC's own (:meth:`_call_error`), or the call's status where
+        the call had ended or was cancelled on this side. The ``CancelledError`` of a task that is
+        being cancelled goes on."""
+        if isinstance(exc, asyncio.CancelledError) and _being_cancelled():
+            raise exc
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return await self._call_error(exc)
+        return await self._final_error()
 
     async def _call_error(self, exc: grpc.aio.AioRpcError) -> errors.EdgeRLError:
         """The error of a failed read or write: the stream's final status when the failure is
@@ -552,10 +559,8 @@ class EdgeClient:
         except TimeoutError:
             call.cancel()
             raise errors.DeadlineExceededError(f"hello not sent within {stream.timeout_s}s") from None
-        except grpc.aio.AioRpcError as exc:
-            raise await stream._call_error(exc) from None
-        except asyncio.InvalidStateError:
-            raise await stream._final_error() from None
+        except _OPERATION_FAILURES as exc:
+            raise await stream._operation_error(exc) from None
         return stream
 
 

@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.proto import frames
-from edgerl.proto.settings import GRPC_MAX_S, check_finite
+from edgerl.proto.settings import check_backoff, check_finite
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import (
@@ -185,8 +185,7 @@ class RobotRunnerConfig:
             raise ValueError(f"refill_at must be >= 0, got {self.refill_at}")
         if self.timeout_s <= 0 or self.connect_timeout_s < 0:
             raise ValueError("timeout_s must be > 0 and connect_timeout_s >= 0")
-        if not 0 < self.backoff_initial_s <= self.backoff_max_s <= GRPC_MAX_S:
-            raise ValueError(f"need 0 < backoff_initial_s <= backoff_max_s <= {GRPC_MAX_S}")
+        check_backoff(self.backoff_initial_s, self.backoff_max_s)
 
 
 @dataclass(frozen=True, slots=True)

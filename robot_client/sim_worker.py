@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgerl.proto import frames
-from edgerl.proto.settings import GRPC_MAX_S, check_finite, check_socket_path
+from edgerl.proto.settings import check_backoff, check_finite, check_socket_path
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
 from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
@@ -95,8 +95,7 @@ class SimWorkerConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
-        if not 0 < self.backoff_initial_s <= self.backoff_max_s <= GRPC_MAX_S:
-            raise ValueError(f"need 0 < backoff_initial_s <= backoff_max_s <= {GRPC_MAX_S}")
+        check_backoff(self.backoff_initial_s, self.backoff_max_s)
         check_cpus(self, "cpus", "network_cpus")
         check_socket_path("local_socket", self.local_socket)
         if not self.local_socket:
