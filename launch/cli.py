@@ -195,7 +195,11 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
         "lockstep; 0: 2, or 1 where a worker has a single env)",
     )
     p.add_argument(
-        "--timeout-s", type=POSITIVE, default=10.0, help="deadline for each answer from the server (s)"
+        "--timeout-s",
+        type=POSITIVE,
+        default=10.0,
+        help="deadline for each answer from the server; an answer overdue ends the stream, and the "
+        "worker opens a new one (s)",
     )
     _add_worker_placement(p)
 

@@ -60,6 +60,12 @@ class DeadlineExceededError(RpcError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+BROKEN_STREAM = (ServerUnavailableError, DeadlineExceededError)
+"""The failures after which a client opens a new stream, on a new connection, with backoff: the
+server is unreachable or going away, or an answer is overdue (a link that died without closing
+its connection delivers nothing and reports nothing; a server that stalls looks the same)."""
+
+
 class UnauthenticatedError(RpcError):
     """Missing or wrong credentials."""
 

@@ -59,11 +59,13 @@ class SimWorkerConfig:
     session_id: str = ""
     """Stream identity; default ``<host>/<pid>``."""
     timeout_s: float = 10.0
-    """Deadline for each answer from the server (seconds)."""
+    """Deadline for each answer from the server (seconds). An answer overdue ends the stream, and
+    the worker opens a new one on a new connection (a link that died without closing its
+    connection delivers nothing), sending the unanswered rows again."""
     max_steps: int = 0
     """Stop after this many env steps (0: run until stopped)."""
     backoff_initial_s: float = 0.1
-    """First reconnect delay after UNAVAILABLE (seconds); doubles per failure."""
+    """First reconnect delay after UNAVAILABLE or an overdue answer (seconds); doubles per failure."""
     backoff_max_s: float = 5.0
     """Longest reconnect delay (seconds)."""
     give_up_after_s: float = 60.0
@@ -215,7 +217,8 @@ class SimWorker:
         directly.
 
         Raises:
-            ServerUnavailableError: no working stream for ``give_up_after_s``.
+            ServerUnavailableError: no working stream for ``give_up_after_s`` (streams that the
+                server ends with UNAVAILABLE, or whose answers are overdue, are retried until then).
             RpcError: any other failure (named by its gRPC code).
         """
         cfg = self.config
@@ -250,7 +253,7 @@ class SimWorker:
                     await self._unless_stopped(self._pump(stream, should_stop), should_stop)
                     await stream.close()
                     return self.progress
-            except errors.ServerUnavailableError as exc:
+            except errors.BROKEN_STREAM as exc:
                 now = loop.time()
                 if self._answered or failing_since is None:  # the last stream worked: start afresh
                     failing_since, backoff, self._answered = now, cfg.backoff_initial_s, False
@@ -261,9 +264,7 @@ class SimWorker:
                 if self._done(should_stop):
                     break
                 delay = backoff * random.uniform(0.5, 1.0)
-                log.warning(
-                    "server %s unavailable (%s); reconnecting in %.2fs", cfg.server, exc.details, delay
-                )
+                log.warning("stream to %s failed (%s); reconnecting in %.2fs", cfg.server, exc, delay)
                 self.progress.reconnects += 1
                 await self._unless_stopped(asyncio.sleep(delay), should_stop)
                 backoff = min(backoff * 2, cfg.backoff_max_s)
@@ -318,7 +319,8 @@ class SimWorker:
 
         Raises:
             ServerUnavailableError: no working stream for ``give_up_after_s`` (a network
-                process that keeps failing is one).
+                process that keeps failing is one; streams that end with UNAVAILABLE, or whose
+                answers are overdue, are retried until then).
             EdgeRLError: any other failure of the stream.
         """
         cfg = self.config
@@ -388,7 +390,7 @@ class SimWorker:
                         sent.append(g)
                 elif kind == frames.DOWN:
                     down, error = netproc.decode_down(payload)
-                    if not isinstance(error, errors.ServerUnavailableError):
+                    if not isinstance(error, errors.BROKEN_STREAM):
                         raise error
                     if down == epoch:
                         epoch = 0

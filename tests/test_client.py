@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
+from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.edge_server.transitions import StreamHandle, TransitionConfig, TransitionStore
 from edgerl.proto import frames
@@ -81,7 +83,7 @@ def _segments_taken(server: ServerThread) -> list[pb.Segment]:
     return store.take_sendable()
 
 
-def _worker_on(transport: str, address: str, path: str, session_id: str) -> SimWorker:
+def _worker_on(transport: str, address: str, path: str, session_id: str, **fields: Any) -> SimWorker:
     """A sim worker of 4 envs on ``transport``: its stream its own or a network process's (both to
     ``address``), or on the local socket at ``path``; quick to reconnect."""
     return _worker(
@@ -92,6 +94,7 @@ def _worker_on(transport: str, address: str, path: str, session_id: str) -> SimW
         backoff_max_s=0.2,
         network_process=transport == "network-process",
         local_socket=path,
+        **fields,
     )
 
 
@@ -308,6 +311,13 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
             dropped, segments = server.lost_and_segments()
     assert "error" not in result, result
     assert result["progress"].reconnects >= 4
+    _assert_no_step_lost(dropped, segments, numbers)
+
+
+def _assert_no_step_lost(dropped: int, segments: list[pb.Segment], numbers: dict[int, list[int]]) -> None:
+    """The server lost no step of the 4 envs of a worker whose streams broke: each env's segments
+    follow one another without a gap, no episode is cut, and each env's requests are numbered
+    0, 1, 2, ... (one sent again on a new stream keeping its number), over 100 steps at least."""
     assert dropped == 0
     last: dict[int, pb.Segment] = {}
     for seg in segments:
@@ -322,6 +332,56 @@ def test_a_sim_worker_whose_stream_breaks_loses_no_step_to_a_server_that_lives_o
     for sent in numbers.values():
         assert sent[0] == 0 and all(b - a in (0, 1) for a, b in itertools.pairwise(sent)), sent
         assert len(set(sent)) >= 100 // 4
+
+
+class _Stalling(EchoPolicy):
+    """An :class:`EchoPolicy` of 4 obs and 1 action dim whose forward passes wait while ``going``
+    is clear (at most 10 s): a server that stalls (its host paused, a model loading), its
+    connections open."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.going = threading.Event()
+        self.going.set()
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        self.going.wait(10.0)
+        return super().infer(obs)
+
+
+@pytest.mark.parametrize(
+    ("transport", "failure"),
+    [(t, "silent") for t in BREAKS if t != "local-socket"] + [(t, "stall") for t in BREAKS],
+)
+def test_a_sim_worker_whose_answers_are_overdue_opens_a_new_stream_and_loses_no_step(
+    transport: str, failure: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's connection goes silent (a link that died without closing it: the stream
+    neither answers nor fails), or the server stalls for three times the worker's ``timeout_s``.
+    Before, the first overdue answer ended the worker with DEADLINE_EXCEEDED (``edgerl sim``
+    exiting with an error), as a robot host or the C++ client would not. The worker now takes an
+    overdue answer for a broken stream: it opens a new one on a new connection, resuming, and
+    steps on as soon as an answer comes in time; the server loses no step."""
+    timeout_s = 0.5
+    numbers = request_numbers_taken(monkeypatch)
+    backend = _Stalling()
+    path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
+    learner = TransitionConfig(segment_steps=4)
+    with ServerThread(backend, learner=learner, local_socket=path) as server, server.link() as link:
+        worker = _worker_on(transport, f"127.0.0.1:{link.port}", path, "overdue", timeout_s=timeout_s)
+        with stepping(worker) as result:
+            assert steps_on(worker, 100)
+            if failure == "silent":
+                server.in_loop(link.go_silent)  # new connections go through
+            else:
+                backend.going.clear()
+                time.sleep(3 * timeout_s)
+                backend.going.set()
+            assert steps_on(worker, 100)
+            dropped, segments = server.lost_and_segments()
+    assert "error" not in result, result
+    assert result["progress"].reconnects >= 1
+    _assert_no_step_lost(dropped, segments, numbers)
 
 
 @pytest.mark.parametrize("transport", BREAKS)
@@ -511,6 +571,37 @@ def test_worker_gives_up_after_its_budget(network_process: bool) -> None:
         with pytest.raises(errors.ServerUnavailableError, match=gave_up):
             await asyncio.wait_for(worker.run(), 30)
         worker.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("network_process", [False, True], ids=["stream-on-worker", "network-process"])
+def test_worker_gives_up_on_a_server_whose_answers_are_always_late(network_process: bool) -> None:
+    """Each forward pass takes 1.5 s, five times the worker's timeout: every stream's first answer
+    is overdue, and the worker opens another until ``give_up_after_s`` has passed without an answer
+    in time, then names the last failure."""
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(4, 1, delay_s=1.5)) as server:
+            worker = _worker(
+                f"127.0.0.1:{server.port}",
+                num_envs=4,
+                timeout_s=0.3,
+                backoff_initial_s=0.05,
+                backoff_max_s=0.1,
+                give_up_after_s=2.0,
+                network_process=network_process,
+            )
+            gave_up = (
+                r"^UNAVAILABLE: no working stream to 127\.0\.0\.1:\d+ for 2s "
+                r"\(no answer to step 0 within 0\.3s\)$"
+            )
+            try:
+                with pytest.raises(errors.ServerUnavailableError, match=gave_up):
+                    await asyncio.wait_for(worker.run(), 30)
+            finally:
+                worker.close()
+            assert worker.progress.reconnects >= 2 and worker.progress.steps == 0
 
     run(main())
 

@@ -761,7 +761,11 @@ def _next_frame(end: _LocalEnd) -> bytes:
     return payload
 
 
-def test_sim_worker_fails_on_a_refusal_and_on_a_late_answer(tmp_path: Path) -> None:
+def test_sim_worker_fails_on_a_refusal_and_gives_up_on_answers_always_late(tmp_path: Path) -> None:
+    """A refusal ends the worker at once. An answer overdue ends its stream, and the worker opens
+    another, until ``give_up_after_s`` has passed without an answer in time (before, the first
+    overdue answer ended the worker)."""
+
     async def main() -> None:
         path = str(tmp_path / "act.sock")
         async with running_server(EchoPolicy(OBS, ACT), local_socket=path):
@@ -772,12 +776,15 @@ def test_sim_worker_fails_on_a_refusal_and_on_a_late_answer(tmp_path: Path) -> N
             finally:
                 worker.close()
         async with running_server(EchoPolicy(4, 1, delay_s=1.5), local_socket=path):
-            worker = _worker(path, timeout_s=0.3)
+            worker = _worker(path, timeout_s=0.3, backoff_initial_s=0.05, give_up_after_s=2.0)
+            where = re.escape(path)
+            gave_up = rf"^UNAVAILABLE: no working stream to {where} for 2s \(no answer within 0\.3s\)$"
             try:
-                with pytest.raises(errors.DeadlineExceededError, match=r"no answer within 0\.3s"):
+                with pytest.raises(errors.ServerUnavailableError, match=gave_up):
                     await worker.run()
             finally:
                 worker.close()
+            assert worker.progress.reconnects >= 2  # a stream, its answer overdue, and another
 
     run(main())
 
@@ -787,11 +794,13 @@ def test_sim_worker_gives_up_on_a_socket_that_never_accepts_its_settings(tmp_pat
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
         mute.bind(path)
         mute.listen()  # connections wait in the backlog: nothing ever answers
-        worker = _worker(path, timeout_s=0.3)
+        worker = _worker(path, timeout_s=0.3, backoff_initial_s=0.05, give_up_after_s=1.0)
         try:
             give_up = time.monotonic() + 10.0  # without the deadline, it would wait for ever
-            with pytest.raises(errors.DeadlineExceededError, match=r"no answer within 0\.3s"):
+            gave_up = r"no working stream to .* for 1s \(no answer within 0\.3s\)"
+            with pytest.raises(errors.ServerUnavailableError, match=gave_up):
                 worker.run_blocking(lambda: time.monotonic() > give_up)
+            assert worker.progress.reconnects >= 2  # each connection given its time, then another
         finally:
             worker.close()
 
