@@ -13,6 +13,7 @@ import numpy as np
 
 from edgerl.edge_server.backend import MAX_VERSION, PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
+from edgerl.edge_server.parsing import Unparsed
 from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault, write_message
 from edgerl.edge_server.transitions import TransitionStore
 from edgerl.proto import tensors
@@ -64,7 +65,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         self.last_swap_us = 0
 
     async def StreamTransitions(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[pb.TransitionAck], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.TransitionAck | Unparsed], context: grpc.aio.ServicerContext
     ) -> None:
         store = self.store
         generation = store.trainer_connected()
@@ -106,15 +107,19 @@ class LearnerServicer(pb_grpc.LearnerServicer):
             reader.cancel()
             log.info("trainer stream ended (generation %d)", generation)
 
-    async def _read_acks(self, requests: AsyncIterator[pb.TransitionAck], bad: list[str]) -> None:
+    async def _read_acks(self, requests: AsyncIterator[pb.TransitionAck | Unparsed], bad: list[str]) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError):
             async for ack in requests:
                 last = self.store.next_seq - 1
-                if ack.acked_seq > last:
+                if isinstance(ack, Unparsed):
+                    bad.append(ack.message)
+                elif ack.acked_seq > last:
                     bad.append(f"acked_seq: {ack.acked_seq} was never sent (last segment is {last})")
-                    await drop_until_quiet(requests)  # so that an asyncio trainer reads the refusal
-                    return
-                self.store.ack(ack.acked_seq, ack.window_steps)
+                else:
+                    self.store.ack(ack.acked_seq, ack.window_steps)
+                    continue
+                await drop_until_quiet(requests)  # so that an asyncio trainer reads the refusal
+                return
 
     @answers_own_faults
     async def PublishWeights(  # noqa: N802

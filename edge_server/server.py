@@ -20,6 +20,7 @@ from edgerl.edge_server.backend import PolicyBackend
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
+from edgerl.edge_server.parsing import add_servicer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
 from edgerl.proto.keepalive import check_keepalive, keepalive_options
@@ -235,10 +236,12 @@ class EdgeServer:
         if cfg.keepalive_s > 0:
             options += keepalive_options(cfg.keepalive_s, cfg.keepalive_timeout_s)
         server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
-        pb_grpc.add_EdgePolicyServicer_to_server(self.servicer, server)
+        add_servicer(
+            server, pb_grpc.add_EdgePolicyServicer_to_server, self.servicer, self.servicer.count_invalid
+        )
         services = [SERVICE_NAME]
         if self.learner is not None:
-            pb_grpc.add_LearnerServicer_to_server(self.learner, server)
+            add_servicer(server, pb_grpc.add_LearnerServicer_to_server, self.learner)
             services.append(LEARNER_SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

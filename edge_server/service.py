@@ -23,6 +23,7 @@ from edgerl.edge_server.batcher import (
     TooManyInflightError,
     percentile,
 )
+from edgerl.edge_server.parsing import Unparsed
 from edgerl.edge_server.transitions import EnvBusyError, SessionTakenOverError, StreamHandle, TransitionStore
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_hello, check_obs, check_step
 from edgerl.proto import tensors
@@ -287,6 +288,11 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
         self._obs_high = _bound(obs_high, self.obs_shape, np.inf, "obs_high")
 
+    def count_invalid(self) -> None:
+        """Count a request refused as invalid before a method of this servicer ran (one that did
+        not parse, :mod:`edgerl.edge_server.parsing`)."""
+        self.rejected_invalid += 1
+
     @property
     def streams_open(self) -> int:
         """Streams past their hello, over gRPC and the local socket (``max_streams`` bounds it)."""
@@ -318,7 +324,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
 
     # -- Act (bidirectional stream) ------------------------------------------------------------
     async def Act(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[pb.ActRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.ActRequest | Unparsed], context: grpc.aio.ServicerContext
     ) -> None:
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
         opened = _Opened()
@@ -379,7 +385,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
 
     async def _read_stream(
         self,
-        requests: AsyncIterator[pb.ActRequest],
+        requests: AsyncIterator[pb.ActRequest | Unparsed],
         out: asyncio.Queue[_Pending | _Abort | None],
         opened: _Opened,
     ) -> None:
@@ -393,6 +399,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 if opened.ending:  # the handler is ending the stream: dropped, counted for its wait
                     opened.reads += 1
                     continue
+                if isinstance(req, Unparsed):
+                    raise InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, req.message)
                 if self.batcher.closing:
                     raise BatcherClosedError("server is shutting down")
                 kind = req.WhichOneof("kind")

@@ -106,6 +106,8 @@ def hello_from_settings(text: bytes) -> pb.StreamHello:
         settings = json.loads(text.decode())
     except ValueError as exc:  # UnicodeDecodeError included: UTF-8 only, as JSON is sent
         raise _invalid(f"settings: not JSON ({exc})") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser goes
+        raise _invalid("settings: nested too deep to be read") from None
     if not isinstance(settings, dict):
         raise _invalid(f"settings: must be a JSON object, got {type(settings).__name__}")
     num_envs = _setting(settings, "num_envs", int, "an integer")

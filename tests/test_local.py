@@ -228,6 +228,12 @@ _CASES = [
         "INVALID_ARGUMENT",
         "settings: not JSON ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)",
     ),
+    (  # the parser's RecursionError: once a fault of the server's own (INTERNAL, a traceback logged)
+        "settings nested too deep",
+        frames.frame(frames.CONFIG + b"[" * 4000),  # within max_message_bytes (4096)
+        "INVALID_ARGUMENT",
+        "settings: nested too deep to be read",
+    ),
     (
         "settings not an object",
         frames.frame(frames.CONFIG + b"[4, 3]"),

@@ -397,6 +397,62 @@ def test_invalid_input_gets_its_status_code_and_other_streams_go_on(case: str) -
     run(main())
 
 
+CUT_SHORT = b"\x0a\x05\xff\xff"  # field 1, 5 bytes long, of which 2 came
+"""Bytes that are no message: a length-delimited field cut short."""
+
+REQUEST_TYPES = {
+    "EdgePolicy/Act": "ActRequest",
+    "EdgePolicy/ActUnary": "ActUnaryRequest",
+    "EdgePolicy/Describe": "DescribeRequest",
+    "EdgePolicy/Stats": "StatsRequest",
+    "Learner/StreamTransitions": "TransitionAck",
+    "Learner/PublishWeights": "PublishWeightsRequest",
+}
+
+
+@pytest.mark.parametrize("method", list(REQUEST_TYPES))
+def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others_go_on(
+    method: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request whose bytes are no message of the method's type (a client built from another
+    .proto, a hand-written encoder's bug, bytes cut short). Before, gRPC's deserializer raised: a
+    unary call ended with UNKNOWN (``Unexpected <class 'DecodeError'>``), a stream with INTERNAL
+    (``the server failed on this stream``), and the server logged each as a fault of its own,
+    with a traceback. Now it is INVALID_ARGUMENT naming the message type; the Act service counts it
+    as invalid input."""
+    streaming = method.endswith(("/Act", "/StreamTransitions"))
+    expected = f"request: not a valid edgerl.v1.{REQUEST_TYPES[method]} message (Wire format was corrupt)"
+
+    async def main() -> None:
+        learner = TransitionConfig(segment_steps=4)
+        async with running_server(EchoPolicy(OBS, ACT), learner=learner) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with EdgeClient(address) as client, grpc.aio.insecure_channel(address) as ch:
+                healthy = await _healthy_stream(client, "healthy")
+                await _round_trip(healthy)
+                path = f"/edgerl.v1.{method}"
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    if streaming:  # no serializers: the bytes go as they are
+                        call = ch.stream_stream(path)(timeout=10)
+                        await call.write(CUT_SHORT)
+                        await call.read()
+                    else:
+                        await ch.unary_unary(path)(CUT_SHORT, timeout=10)
+                assert (info.value.code(), info.value.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    expected,
+                )
+                for _ in range(3):
+                    await _round_trip(healthy)  # the other stream is still served
+                await healthy.close()
+                counted = (await client.stats()).rejected_invalid
+                assert counted == (1 if method.startswith("EdgePolicy/") else 0)
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_a_stream_without_its_hello_is_refused_after_hello_timeout_s_and_the_others_go_on() -> None:
     """A call that never sends its hello is not counted by max_streams; it held its handler for
     good (5,000 such calls took a server from 64 to 143 MB). After hello_timeout_s it is
