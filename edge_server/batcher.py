@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -67,6 +68,30 @@ class TooManyInflightError(Exception):
 
 class BatcherClosedError(Exception):
     """The batcher is draining or stopped and takes no new requests."""
+
+
+class NonFiniteOutputError(Exception):
+    """The policy's actions, log-probs or values for some of a request's rows were NaN or Inf:
+    that request fails (no client is sent them), the batch's others are answered."""
+
+
+_Outcome = tuple[PolicyResult, int, int, "np.ndarray | None"]
+"""A batch's forward pass: its result, policy version, time (us), and the rows whose output is
+not finite (None: none)."""
+
+
+def _non_finite_rows(result: PolicyResult) -> np.ndarray | None:
+    """Each row whose action, log-prob or value is NaN or Inf; None where there is none. The usual
+    case costs one sum per array (~2 us for 32 rows), through which NaN and Inf carry."""
+    actions, log_probs, values = result.actions, result.log_probs, result.values
+    total = float(actions.sum()) + float(log_probs.sum()) + (0.0 if values is None else float(values.sum()))
+    if math.isfinite(total):
+        return None
+    parts = [actions.reshape(len(actions), -1), log_probs.reshape(-1, 1)]
+    if values is not None:
+        parts.append(values.reshape(len(values), -1))
+    finite = np.logical_and.reduce([np.isfinite(p).all(axis=1) for p in parts])
+    return None if finite.all() else np.asarray(~finite)  # (else finite values whose sum overflowed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +367,7 @@ class DynamicBatcher:
         """Hand a batch to the inference threads (beside the running ones, up to the depth)."""
         self._batches_running += 1
 
-        def done(outcome: tuple[PolicyResult, int, int] | None, error: BaseException | None) -> None:
+        def done(outcome: _Outcome | None, error: BaseException | None) -> None:
             self._batches_running -= 1
             self._batch_ended.set()
             self._answer(batch, now_ns, outcome, error)
@@ -407,8 +432,9 @@ class DynamicBatcher:
                 self._swaps_waiting -= 1
                 self._pump()
 
-    def _infer(self, batch: list[_Request]) -> tuple[PolicyResult, int, int]:
-        """On an inference thread: the batch's forward pass, its version and its time (us)."""
+    def _infer(self, batch: list[_Request]) -> _Outcome:
+        """On an inference thread: the batch's forward pass, its version, its time (us), and the
+        rows whose output is not finite."""
         obs = np.concatenate([r.obs for r in batch]) if len(batch) > 1 else np.array(batch[0].obs)
         start = time.perf_counter_ns()
         version = self.backend.version
@@ -419,13 +445,13 @@ class DynamicBatcher:
                 f"{type(self.backend).__name__}.infer returned {len(result.actions)} actions and "
                 f"{len(result.log_probs)} log-probs for {rows} observations"
             )
-        return result, version, (time.perf_counter_ns() - start) // 1000
+        return result, version, (time.perf_counter_ns() - start) // 1000, _non_finite_rows(result)
 
     def _answer(
         self,
         batch: list[_Request],
         now_ns: int,
-        outcome: tuple[PolicyResult, int, int] | None,
+        outcome: _Outcome | None,
         error: BaseException | None,
     ) -> None:
         """On the event loop: each request's share of a finished batch, or the batch's error."""
@@ -438,9 +464,15 @@ class DynamicBatcher:
                     req.future.set_exception(error)
             return
         assert outcome is not None  # no error: _infer returned it
-        result, version, inference_us = outcome
+        result, version, inference_us, non_finite = outcome
         st = self.stats
         rows = result.log_probs.shape[0]
+        if non_finite is not None:
+            log.error(
+                "policy forward pass gave NaN or Inf for %d of a batch's %d rows: their requests fail",
+                int(non_finite.sum()),
+                rows,
+            )
         st.batches += 1
         st.rows += rows
         st.requests += len(batch)
@@ -455,17 +487,23 @@ class DynamicBatcher:
             st.queue_wait_us.append(wait_us)
             self._finish(req)
             if not req.future.done():
-                req.future.set_result(
-                    BatchResult(
-                        actions[offset : offset + n],
-                        log_probs[offset : offset + n],
-                        None if values is None else values[offset : offset + n],
-                        version,
-                        wait_us,
-                        inference_us,
-                        rows,
+                bad = 0 if non_finite is None else int(non_finite[offset : offset + n].sum())
+                if bad:
+                    req.future.set_exception(
+                        NonFiniteOutputError(f"NaN or Inf in the policy's output for {bad} of the {n} rows")
                     )
-                )
+                else:
+                    req.future.set_result(
+                        BatchResult(
+                            actions[offset : offset + n],
+                            log_probs[offset : offset + n],
+                            None if values is None else values[offset : offset + n],
+                            version,
+                            wait_us,
+                            inference_us,
+                            rows,
+                        )
+                    )
             offset += n
 
     @staticmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from torch import nn
@@ -45,6 +47,7 @@ class TorchPolicyBackend(PolicyBackend):
         self.compute_values = compute_values
         self._rng = np.random.default_rng(seed)
         self._served = _ServedMLP(self.policy, compute_values)
+        self._served.check()
         self.torch_threads = torch.get_num_threads()
         """Threads of torch's math kernels in every thread that infers: the count set when the
         backend was built (``torch.set_num_threads``)."""
@@ -60,11 +63,20 @@ class TorchPolicyBackend(PolicyBackend):
         torch.set_num_threads(self.torch_threads)
 
     def load_weights(self, weights: dict[str, np.ndarray], version: int) -> None:
+        """Serve ``weights`` from now on, stamped ``version``.
+
+        Raises:
+            KeyError, ValueError: tensors missing, unknown or of another shape, or weights that
+                cannot give finite actions (:meth:`_ServedMLP.check`); the served weights and the
+                module's stay as they were.
+        """
         current = self.policy.state_dict()
         check_weights(weights, {k: tuple(v.shape) for k, v in current.items()})
         state = {k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in weights.items()}
+        served = _ServedMLP(self.policy, self.compute_values, state)
+        served.check()
         self.policy.load_state_dict(state)
-        self._served = _ServedMLP(self.policy, self.compute_values)
+        self._served = served
         self.version = version
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
@@ -96,19 +108,58 @@ class _ServedMLP:
     through :meth:`TorchPolicyBackend.load_weights` only.
     """
 
-    def __init__(self, policy: GaussianMLPPolicy, with_critic: bool) -> None:
-        self.obs_norm = policy.obs_norm.frozen()
-        log_std = policy.actor_log_std.detach().numpy().astype(np.float32, copy=True)
-        # Fixed between weight swaps: computed here, not for every batch.
-        self.std = np.exp(log_std)
-        self.log_std_sum = log_std.sum()
-        self.actor = self._layers(policy.actor_mean)
-        self.critic = self._layers(policy.critic) if with_critic else None
+    def __init__(
+        self, policy: GaussianMLPPolicy, with_critic: bool, state: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """The served copy of ``policy``'s weights, or of ``state`` (a full ``state_dict`` of it:
+        the module is left as it is)."""
+        state = policy.state_dict() if state is None else state
+        self.obs_norm = policy.obs_norm.frozen(state["obs_norm.mean"], state["obs_norm.var"])
+        self.log_std = state["actor_log_std"].numpy().astype(np.float32, copy=True)
+        with np.errstate(over="ignore"):  # an overflow is what check() refuses
+            # Fixed between weight swaps: computed here, not for every batch.
+            self.std = np.exp(self.log_std)
+        self.log_std_sum = self.log_std.sum()
+        names = {module: name for name, module in policy.named_modules()}
+        self.actor = self._layers(policy.actor_mean, names, state)
+        self.critic = self._layers(policy.critic, names, state) if with_critic else None
 
     @staticmethod
-    def _layers(seq: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _layers(
+        seq: nn.Module, names: Mapping[nn.Module, str], state: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(weight ``[in, out]``, bias) of each layer; a tanh follows every layer but the last."""
-        return [(_padded_rows(m.weight.detach().t()), m.bias.detach().clone()) for m in mlp_linears(seq)]
+        return [
+            (_padded_rows(state[f"{names[m]}.weight"].t()), state[f"{names[m]}.bias"].clone())
+            for m in mlp_linears(seq)
+        ]
+
+    def check(self) -> None:
+        """Refuse weights that cannot give finite actions: an observation variance below 0 (the
+        normaliser divides by ``sqrt(var + eps)``), an action std ``exp(log_std)`` that overflows
+        float32, or a forward pass that is not finite on the mean observation.
+
+        Raises:
+            ValueError: naming the tensor, or the output, and the first bad index.
+        """
+        norm_std = self.obs_norm.std
+        if (bad := np.flatnonzero(~(np.isfinite(norm_std) & (norm_std > 0)))).size:
+            raise ValueError(
+                f"weights['obs_norm.var']: a variance must be >= 0 (the observations are divided "
+                f"by sqrt(var + eps)), got sqrt(var + eps) = {norm_std[bad[0]]} at index {bad[0]}"
+            )
+        if (bad := np.flatnonzero(~np.isfinite(self.std))).size:
+            raise ValueError(
+                f"weights['actor_log_std']: the action std exp(log_std) must be finite, got "
+                f"log_std {self.log_std[bad[0]]} at index {bad[0]}"
+            )
+        mean, values = self.forward(self.obs_norm.mean[None, :])
+        for what, out in (("action means", mean), ("values", values)):
+            if out is not None and (bad := np.flatnonzero(~np.isfinite(out))).size:
+                raise ValueError(
+                    f"weights: the policy's {what} on its mean observation are not finite "
+                    f"({out.ravel()[bad[0]]} at index {bad[0]})"
+                )
 
     @staticmethod
     def _run(layers: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> np.ndarray:

@@ -45,11 +45,14 @@ class RunningNorm(nn.Module):
         return torch.clamp((x - self.mean) / self.std(), -self.clip, self.clip)
 
     @torch.no_grad()
-    def frozen(self) -> FrozenNorm:
-        """A numpy copy of the current statistics that normalises as :meth:`forward` does."""
+    def frozen(self, mean: torch.Tensor | None = None, var: torch.Tensor | None = None) -> FrozenNorm:
+        """A numpy copy of the current statistics that normalises as :meth:`forward` does; ``mean``
+        and ``var``: statistics to take in place of the module's own (which stay as they are)."""
+        mean = self.mean if mean is None else mean
+        var = self.var if var is None else var
         return FrozenNorm(
-            self.mean.numpy().astype(np.float32, copy=True),
-            self.std().numpy().astype(np.float32),
+            mean.numpy().astype(np.float32, copy=True),
+            torch.sqrt(var + self.eps).numpy().astype(np.float32),
             np.float32(self.clip),
         )
 

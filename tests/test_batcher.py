@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.backend import PolicyResult
-from edgerl.edge_server.batcher import BatcherClosedError, DynamicBatcher, QueueFullError
+from edgerl.edge_server.batcher import (
+    BatcherClosedError,
+    BatchResult,
+    DynamicBatcher,
+    NonFiniteOutputError,
+    QueueFullError,
+)
 from tests.helpers import EchoPolicy, run
 
 
@@ -166,6 +172,39 @@ def test_a_result_that_does_not_split_fails_its_batch_and_the_next_is_served() -
         await b.close()
 
     run(main())
+
+
+def test_a_request_whose_output_is_not_finite_fails_and_the_batchs_others_are_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A policy gave Inf or NaN for some rows (finite weights can: a negative variance, an
+    overflow): those were sent to clients as actions. Now the requests holding such rows fail,
+    naming how many, and the batch's other requests are answered. The echo policy's actions are
+    an observation's first 2 entries and its log-prob their sum over all 4."""
+
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2), max_batch_size=64, max_delay_us=10_000_000, max_queue_rows=256)
+        b.start()
+        streams = [b.open_stream(1) for _ in range(3)]
+        in_action, in_log_prob, clean = _obs(3, 1.0), _obs(2, 1.0), _obs(2, 2.0)
+        in_action[1, 0] = np.inf
+        in_log_prob[0, 3] = np.nan  # its actions are finite
+        futures = [b.submit(o, s) for o, s in zip((in_action, in_log_prob, clean), streams, strict=True)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 5.0)
+        assert [str(o) for o in outcomes[:2]] == [
+            "NaN or Inf in the policy's output for 1 of the 3 rows",
+            "NaN or Inf in the policy's output for 1 of the 2 rows",
+        ]
+        assert all(isinstance(o, NonFiniteOutputError) for o in outcomes[:2])
+        assert isinstance(outcomes[2], BatchResult) and outcomes[2].batch_rows == 7
+        np.testing.assert_array_equal(outcomes[2].actions, 2.0)
+        again = [b.submit(_obs(1, 3.0), s) for s in streams]  # the next batch is served
+        for res in await asyncio.wait_for(asyncio.gather(*again), 5.0):
+            np.testing.assert_array_equal(res.actions, 3.0)
+        await b.close()
+
+    run(main())
+    assert "policy forward pass gave NaN or Inf for 2 of a batch's 7 rows" in caplog.text
 
 
 class _PipelinedEcho(EchoPolicy):

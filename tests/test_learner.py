@@ -579,6 +579,81 @@ def test_weight_sync_interval_skips_versions_and_learner_is_discoverable() -> No
     run(main())
 
 
+_Changes = dict[str, tuple[int | None, float]]
+
+
+def _spoiled(state: dict[str, Any], changes: _Changes) -> dict[str, Any]:
+    """``state`` with, for each name of ``changes``, the tensor's entry ``index`` (of the flat
+    tensor; None: every entry) set to ``value``."""
+    out = {k: v.clone() for k, v in state.items()}
+    for name, (index, value) in changes.items():
+        out[name].view(-1)[slice(None) if index is None else index] = value
+    return out
+
+
+def _overflowing(head: str) -> _Changes:
+    """Changes that make ``head``'s output overflow on any observation: the last hidden layer at
+    tanh's 1 (its biases large), the output layer's weights near float32's largest."""
+    return {f"{head}.2.bias": (None, 50.0), f"{head}.4.weight": (None, 3e38)}
+
+
+NO_FINITE_ACTIONS: dict[str, tuple[_Changes, str]] = {  # finite weights of which no finite actions come
+    "negative variance": (
+        {"obs_norm.var": (2, -1.0)},
+        r"^weights\['obs_norm\.var'\]: a variance must be >= 0 \(the observations are divided by "
+        r"sqrt\(var \+ eps\)\), got sqrt\(var \+ eps\) = nan at index 2$",
+    ),
+    "std overflows": (
+        {"actor_log_std": (0, 100.0)},
+        r"^weights\['actor_log_std'\]: the action std exp\(log_std\) must be finite, got log_std 100\.0 "
+        r"at index 0$",
+    ),
+    "actions overflow": (
+        _overflowing("actor_mean"),
+        r"^weights: the policy's action means on its mean observation are not finite \(-?inf at index 0\)$",
+    ),
+    "values overflow": (
+        _overflowing("critic"),
+        r"^weights: the policy's values on its mean observation are not finite \(-?inf at index 0\)$",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_FINITE_ACTIONS))
+def test_a_publish_of_weights_that_cannot_give_finite_actions_is_refused_the_served_stay(case: str) -> None:
+    """Weights that pass every check of their own (finite, of the right names and shapes) of which
+    the policy still cannot give finite actions: before, the server swapped them in and sent its
+    clients NaN or Inf actions (a sim's envs stepped on NaN; a robot's watchdog fell back on every
+    answer). Now the publish is refused naming the tensor, and the served weights stay."""
+    changes, message = NO_FINITE_ACTIONS[case]
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig()) as server:
+            backend = server.servicer.backend
+            assert isinstance(backend, TorchPolicyBackend)
+            obs = np.full((3, *env_spec(ENV).obs_shape), 0.5, np.float32)
+            served = backend._served.forward(obs)[0]
+            state = _backend(seed=5).policy.state_dict()
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.PublishWeights(weights_request(_spoiled(state, changes), 1))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert re.match(message, info.value.details() or ""), info.value.details()
+                assert backend.version == 0
+                np.testing.assert_array_equal(backend._served.forward(obs)[0], served)
+                answer = await act_once(server.address, obs)
+                assert np.isfinite(answer.actions).all() and answer.policy_version == 0
+                assert (await stub.PublishWeights(weights_request(state, 1))).applied  # a good one is taken
+
+    run(main())
+    spec = env_spec(ENV)  # nor does a server start with them (a checkpoint's)
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0])
+    net.load_state_dict(_spoiled(net.state_dict(), changes))
+    with pytest.raises(ValueError, match=message):
+        TorchPolicyBackend(net, spec.act_low, spec.act_high, compute_values=True)
+
+
 def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -> None:
     async def main() -> None:
         async with running_server(_backend()) as server:
