@@ -47,7 +47,6 @@ class TorchPolicyBackend(PolicyBackend):
         self.compute_values = compute_values
         self._rng = np.random.default_rng(seed)
         self._served = _ServedMLP(self.policy, compute_values)
-        self._served.check()
         self.torch_threads = torch.get_num_threads()
         """Threads of torch's math kernels in every thread that infers: the count set when the
         backend was built (``torch.set_num_threads``)."""
@@ -67,14 +66,13 @@ class TorchPolicyBackend(PolicyBackend):
 
         Raises:
             KeyError, ValueError: tensors missing, unknown or of another shape, or weights that
-                cannot give finite actions (:meth:`_ServedMLP.check`); the served weights and the
+                cannot give finite actions (:meth:`_ServedMLP._check`); the served weights and the
                 module's stay as they were.
         """
         current = self.policy.state_dict()
         check_weights(weights, {k: tuple(v.shape) for k, v in current.items()})
         state = {k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in weights.items()}
-        served = _ServedMLP(self.policy, self.compute_values, state)
-        served.check()
+        served = _ServedMLP(self.policy, self.compute_values, state)  # checked: ValueError
         self.policy.load_state_dict(state)
         self._served = served
         self.version = version
@@ -112,17 +110,22 @@ class _ServedMLP:
         self, policy: GaussianMLPPolicy, with_critic: bool, state: Mapping[str, torch.Tensor] | None = None
     ) -> None:
         """The served copy of ``policy``'s weights, or of ``state`` (a full ``state_dict`` of it:
-        the module is left as it is)."""
+        the module is left as it is).
+
+        Raises:
+            ValueError: weights that cannot give finite actions (:meth:`_check`).
+        """
         state = policy.state_dict() if state is None else state
         self.obs_norm = policy.obs_norm.frozen(state["obs_norm.mean"], state["obs_norm.var"])
         self.log_std = state["actor_log_std"].numpy().astype(np.float32, copy=True)
-        with np.errstate(over="ignore"):  # an overflow is what check() refuses
+        with np.errstate(over="ignore"):  # an overflow is what _check() refuses
             # Fixed between weight swaps: computed here, not for every batch.
             self.std = np.exp(self.log_std)
         self.log_std_sum = self.log_std.sum()
         names = {module: name for name, module in policy.named_modules()}
         self.actor = self._layers(policy.actor_mean, names, state)
         self.critic = self._layers(policy.critic, names, state) if with_critic else None
+        self._check(state["obs_norm.var"])
 
     @staticmethod
     def _layers(
@@ -134,10 +137,10 @@ class _ServedMLP:
             for m in mlp_linears(seq)
         ]
 
-    def check(self) -> None:
-        """Refuse weights that cannot give finite actions: an observation variance below 0 (the
-        normaliser divides by ``sqrt(var + eps)``), an action std ``exp(log_std)`` that overflows
-        float32, or a forward pass that is not finite on the mean observation.
+    def _check(self, var: torch.Tensor) -> None:
+        """Refuse weights that cannot give finite actions: an observation variance ``var`` below 0
+        (the normaliser divides by ``sqrt(var + eps)``), an action std ``exp(log_std)`` that
+        overflows float32, or a forward pass that is not finite on the mean observation.
 
         Raises:
             ValueError: naming the tensor, or the output, and the first bad index.
@@ -146,7 +149,7 @@ class _ServedMLP:
         if (bad := np.flatnonzero(~(np.isfinite(norm_std) & (norm_std > 0)))).size:
             raise ValueError(
                 f"weights['obs_norm.var']: a variance must be >= 0 (the observations are divided "
-                f"by sqrt(var + eps)), got sqrt(var + eps) = {norm_std[bad[0]]} at index {bad[0]}"
+                f"by sqrt(var + eps)), got {var.reshape(-1)[bad[0]].item()} at index {bad[0]}"
             )
         if (bad := np.flatnonzero(~np.isfinite(self.std))).size:
             raise ValueError(
