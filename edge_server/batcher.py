@@ -152,6 +152,9 @@ class BatcherStats:
     rows: int = 0
     max_batch_rows: int = 0
     rejected_queue_full: int = 0
+    dropped_rows: int = 0
+    """Rows of ended streams taken out of the queue before a batch ran them
+    (:meth:`DynamicBatcher.drop_queued`)."""
     queue_wait_us: collections.deque[int] = field(default_factory=_window)
     inference_us: collections.deque[int] = field(default_factory=_window)
     batch_rows: collections.deque[int] = field(default_factory=_window)
@@ -252,6 +255,26 @@ class DynamicBatcher:
             if slots.queued:
                 self._streams_waiting -= 1
             self._pump()  # one stream fewer to wait for
+
+    def drop_queued(self, slots: StreamSlots) -> int:
+        """Take a stream's requests that no batch has taken yet out of the queue, their futures
+        cancelled: for a stream that has ended, whose answers no one will read (its requests in a
+        running batch complete). Returns the rows dropped."""
+        if not slots.queued:
+            return 0
+        mine = [req for req in self._queue if req.slots is slots]
+        self._queue = collections.deque(req for req in self._queue if req.slots is not slots)
+        rows = sum(int(req.obs.shape[0]) for req in mine)
+        self._queued_rows -= rows
+        if slots.counted:  # (a stream closed first is no longer among the waiting)
+            self._streams_waiting -= 1
+        slots.queued = 0
+        for req in mine:
+            self._finish(req)
+            req.future.cancel()
+        self.stats.dropped_rows += rows
+        self._pump()
+        return rows
 
     @property
     def queued_rows(self) -> int:

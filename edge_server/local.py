@@ -177,6 +177,7 @@ class _LocalStream(asyncio.Protocol):
                 p.future.cancel()
         self._pending.clear()
         if self._slots is not None and self._spec is not None:
+            self._servicer.batcher.drop_queued(self._slots)  # and those in the queue
             self._servicer.batcher.close_stream(self._slots)
             self._servicer.active_streams -= 1
             self._servicer.release_stream(self._spec.session_id)

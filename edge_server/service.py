@@ -76,6 +76,8 @@ class _Opened(_Reads):
     session_id: str = "?"
     hello: bool = False
     handles: list[StreamHandle] = field(default_factory=list)
+    slots: StreamSlots | None = None
+    """The stream's batcher slots, once its hello came."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +365,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 no_hello.cancel()
             self.active_streams -= 1
             reader.cancel()
+            if opened.slots is not None:  # its queued requests too: no one reads their answers
+                self.batcher.drop_queued(opened.slots)
             while not pending.empty():  # requests still waiting for admission go with the stream
                 left = pending.get_nowait()
                 if isinstance(left, _Pending) and isinstance(left.future, asyncio.Task):
@@ -415,7 +419,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     )
                     opened.session_id, opened.hello = spec.session_id, True
                     self.claim_stream(spec.session_id)
-                    slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
+                    slots = opened.slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:
                         handle = store.open_stream(
                             spec.session_id,

@@ -382,6 +382,29 @@ def test_bad_frames_get_their_status_and_other_streams_are_served(
     run(main())
 
 
+def test_a_closed_local_streams_queued_rows_are_dropped_unrun(tmp_path: Path) -> None:
+    """A client sends 4 requests and goes: the first is in a running batch, the other 3 queued.
+    Before, the 3 went through a forward pass whose answers no one read (an overloaded server
+    computing the rows of the streams it lost). Now they are dropped from the queue; the next
+    stream is served at once (the batcher waits for no one it dropped: its delay is 10 s)."""
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        policy = EchoPolicy(OBS, ACT, delay_s=0.3)
+        async with running_server(policy, local_socket=path, max_delay_us=10_000_000) as server:
+            async with _connected(path) as (_reader, writer):
+                for i in range(4):
+                    writer.write(frames.encode_obs(1, _rows([i])))
+                await writer.drain()
+                assert await waited(lambda: server.batcher.queued_rows == 3, 5.0)
+            assert await waited(lambda: server.batcher.stats.dropped_rows == 3, 5.0)
+            async with _connected(path) as stream:
+                await asyncio.wait_for(_ask(stream, [0, 1]), 5.0)
+            assert policy.batch_sizes[1:] == [1, 2] and server.batcher.queued_rows == 0  # after the warm-up
+
+    run(main())
+
+
 def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_others_go_on(
     tmp_path: Path,
 ) -> None:

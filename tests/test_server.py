@@ -550,6 +550,32 @@ def test_streams_of_random_make_end_with_a_client_fault_and_the_others_go_on(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_an_ended_streams_queued_requests_are_dropped_unrun() -> None:
+    """A client sends 4 requests and goes (its call cancelled): the first is in a running batch,
+    the other 3 queued. Before, the 3 went through a forward pass whose answers no one read.
+    Now they are dropped from the queue; the next stream is served at once (the batcher waits
+    for no one it dropped: its delay is 10 s)."""
+
+    async def main() -> None:
+        policy = EchoPolicy(OBS, ACT, delay_s=0.3)
+        async with running_server(policy, max_delay_us=10_000_000) as server:
+            async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+                gone = await client.open_stream(
+                    session_id="gone", num_envs=4, obs_shape=(OBS,), max_inflight=4
+                )
+                for i in range(4):
+                    await gone.send([i], np.ones((1, OBS), np.float32), [0.0], [False], [False])
+                assert await waited(lambda: server.batcher.queued_rows == 3, 5.0)
+                await gone.close()
+                assert await waited(lambda: server.batcher.stats.dropped_rows == 3, 5.0)
+                healthy = await _healthy_stream(client, "next")
+                await asyncio.wait_for(_round_trip(healthy), 5.0)
+                await healthy.close()
+            assert policy.batch_sizes[1:] == [1, 4] and server.batcher.queued_rows == 0  # after the warm-up
+
+    run(main())
+
+
 def test_a_stream_without_its_hello_is_refused_after_hello_timeout_s_and_the_others_go_on() -> None:
     """A call that never sends its hello is not counted by max_streams; it held its handler for
     good (5,000 such calls took a server from 64 to 143 MB). After hello_timeout_s it is
