@@ -85,10 +85,8 @@ def _parsed(handler: grpc.RpcMethodHandler, on_unparsed: Callable[[], None]) -> 
     }
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kwargs)
-    if handler.response_streaming:  # its behaviour an async generator, which _refusing is not
-        raise TypeError("a unary request with a streamed response is not wrapped (edgerl has none)")
+    if handler.request_streaming or handler.response_streaming:
+        raise TypeError("only unary calls and bidirectional streams are wrapped (edgerl has no other)")
     return grpc.unary_unary_rpc_method_handler(_refusing(handler.unary_unary, on_unparsed), **kwargs)
 
 

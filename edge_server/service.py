@@ -70,14 +70,14 @@ class _Reads:
 
 @dataclass(slots=True)
 class _Opened(_Reads):
-    """What the reader of an Act stream tells its handler: the session once its hello came, and
-    the transition-store claims to close when the stream ends."""
+    """What the reader of an Act stream tells its handler: the session once its hello came, the
+    transition-store claims to close and the batcher slots whose queued requests to drop when the
+    stream ends (no slots: no hello let in yet)."""
 
     session_id: str = "?"
-    hello: bool = False
     handles: list[StreamHandle] = field(default_factory=list)
     slots: StreamSlots | None = None
-    """The stream's batcher slots, once its hello came."""
+    """The stream's batcher slots, once its hello came and was let in."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,7 +382,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         return f"{missing} within {self.hello_timeout_s:g} s of the stream's start"
 
     def _hello_overdue(self, opened: _Opened, out: asyncio.Queue[_Pending | _Abort | None]) -> None:
-        if not opened.hello and not opened.ending:  # (a stream refused already is ending)
+        if opened.slots is None and not opened.ending:  # (a stream refused already is ending)
             message = self.hello_overdue()
             log.warning("stream refused: %s", message)
             out.put_nowait(_Abort(grpc.StatusCode.DEADLINE_EXCEEDED, message))
@@ -417,7 +417,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     spec = check_hello(
                         req.hello, self.obs_shape, self.limits.max_envs_per_stream, self.env_name
                     )
-                    opened.session_id, opened.hello = spec.session_id, True
+                    opened.session_id = spec.session_id
                     self.claim_stream(spec.session_id)
                     slots = opened.slots = self.batcher.open_stream(spec.max_inflight, backfill=spec.backfill)
                     if store is not None:

@@ -37,9 +37,10 @@ class RunningNorm(nn.Module):
         self.clip = clip
         self.eps = eps
 
-    def std(self) -> torch.Tensor:
-        """``sqrt(var + eps)``, the divisor of :meth:`forward`."""
-        return torch.sqrt(self.var + self.eps)
+    def std(self, var: torch.Tensor | None = None) -> torch.Tensor:
+        """``sqrt(var + eps)``, the divisor of :meth:`forward`; ``var``: a variance to take in place
+        of the module's own."""
+        return torch.sqrt((self.var if var is None else var) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.clamp((x - self.mean) / self.std(), -self.clip, self.clip)
@@ -48,11 +49,9 @@ class RunningNorm(nn.Module):
     def frozen(self, mean: torch.Tensor | None = None, var: torch.Tensor | None = None) -> FrozenNorm:
         """A numpy copy of the current statistics that normalises as :meth:`forward` does; ``mean``
         and ``var``: statistics to take in place of the module's own (which stay as they are)."""
-        mean = self.mean if mean is None else mean
-        var = self.var if var is None else var
         return FrozenNorm(
-            mean.numpy().astype(np.float32, copy=True),
-            torch.sqrt(var + self.eps).numpy().astype(np.float32),
+            (self.mean if mean is None else mean).numpy().astype(np.float32, copy=True),
+            self.std(var).numpy().astype(np.float32),
             np.float32(self.clip),
         )
 
