@@ -13,7 +13,7 @@ from importlib import metadata
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
 from edgerl.edge_server.backend import PolicyBackend
@@ -243,10 +243,14 @@ class EdgeServer:
         if self.learner is not None:
             add_servicer(server, pb_grpc.add_LearnerServicer_to_server, self.learner)
             services.append(LEARNER_SERVICE_NAME)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        # as reflection.enable_server_reflection does, with requests that do not parse refused
+        services += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+        add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, self.health, refused_on_read=True)
+        add_servicer(
             server,
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
+            reflection.aio.ReflectionServicer(services),
+            refused_on_read=True,
         )
         try:
             if self.local is not None:

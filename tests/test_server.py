@@ -19,7 +19,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from edgerl.edge_server import learner, service
@@ -402,12 +404,17 @@ CUT_SHORT = b"\x0a\x05\xff\xff"  # field 1, 5 bytes long, of which 2 came
 """Bytes that are no message: a length-delimited field cut short."""
 
 REQUEST_TYPES = {
-    "EdgePolicy/Act": "ActRequest",
-    "EdgePolicy/ActUnary": "ActUnaryRequest",
-    "EdgePolicy/Describe": "DescribeRequest",
-    "EdgePolicy/Stats": "StatsRequest",
-    "Learner/StreamTransitions": "TransitionAck",
-    "Learner/PublishWeights": "PublishWeightsRequest",
+    "edgerl.v1.EdgePolicy/Act": "edgerl.v1.ActRequest",
+    "edgerl.v1.EdgePolicy/ActUnary": "edgerl.v1.ActUnaryRequest",
+    "edgerl.v1.EdgePolicy/Describe": "edgerl.v1.DescribeRequest",
+    "edgerl.v1.EdgePolicy/Stats": "edgerl.v1.StatsRequest",
+    "edgerl.v1.Learner/StreamTransitions": "edgerl.v1.TransitionAck",
+    "edgerl.v1.Learner/PublishWeights": "edgerl.v1.PublishWeightsRequest",
+    "grpc.health.v1.Health/Check": "grpc.health.v1.HealthCheckRequest",
+    "grpc.health.v1.Health/Watch": "grpc.health.v1.HealthCheckRequest",
+    "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": (
+        "grpc.reflection.v1alpha.ServerReflectionRequest"
+    ),
 }
 
 
@@ -419,10 +426,11 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
     .proto, a hand-written encoder's bug, bytes cut short). Before, gRPC's deserializer raised: a
     unary call ended with UNKNOWN (``Unexpected <class 'DecodeError'>``), a stream with INTERNAL
     (``the server failed on this stream``), and the server logged each as a fault of its own,
-    with a traceback. Now it is INVALID_ARGUMENT naming the message type; the Act service counts it
-    as invalid input."""
-    streaming = method.endswith(("/Act", "/StreamTransitions"))
-    expected = f"request: not a valid edgerl.v1.{REQUEST_TYPES[method]} message (Wire format was corrupt)"
+    with a traceback; the health and reflection services ended with UNKNOWN the same way. Now it
+    is INVALID_ARGUMENT naming the message type; the Act service counts it as invalid input. The
+    stream and the service go on serving."""
+    streamed_requests = method.endswith(("/Act", "/StreamTransitions", "/ServerReflectionInfo"))
+    expected = f"request: not a valid {REQUEST_TYPES[method]} message (Wire format was corrupt)"
 
     async def main() -> None:
         learner = TransitionConfig(segment_steps=4)
@@ -431,12 +439,14 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
             async with EdgeClient(address) as client, grpc.aio.insecure_channel(address) as ch:
                 healthy = await _healthy_stream(client, "healthy")
                 await _round_trip(healthy)
-                path = f"/edgerl.v1.{method}"
+                path = f"/{method}"
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    if streaming:  # no serializers: the bytes go as they are
+                    if streamed_requests:  # no serializers: the bytes go as they are
                         call = ch.stream_stream(path)(timeout=10)
                         await call.write(CUT_SHORT)
                         await call.read()
+                    elif method.endswith("/Watch"):
+                        await ch.unary_stream(path)(CUT_SHORT, timeout=10).read()
                     else:
                         await ch.unary_unary(path)(CUT_SHORT, timeout=10)
                 assert (info.value.code(), info.value.details()) == (
@@ -447,11 +457,54 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
                     await _round_trip(healthy)  # the other stream is still served
                 await healthy.close()
                 counted = (await client.stats()).rejected_invalid
-                assert counted == (1 if method.startswith("EdgePolicy/") else 0)
+                assert counted == (1 if "EdgePolicy/" in method else 0)
+                check = health_pb2.HealthCheckRequest(service=SERVICE_NAME)  # health still answers
+                answer = await health_pb2_grpc.HealthStub(ch).Check(check, timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
     with caplog.at_level(logging.WARNING):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_health_watch_and_a_reflection_stream_are_served_through_the_parsing_wrapper() -> None:
+    """Both services are added by edgerl's parsing wrapper (which must keep the kind of each
+    method: Watch writes its answers, reflection yields them): a Watch sees the Act service go
+    from SERVING to NOT_SERVING when the server stops, and one reflection stream answers each of
+    its requests in turn."""
+    reflection_path = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT)) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with grpc.aio.insecure_channel(address) as ch:
+                call = ch.stream_stream(
+                    reflection_path,
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                )(timeout=10)
+                await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                listed = (await call.read()).list_services_response.service
+                await call.write(reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME))
+                files = (await call.read()).file_descriptor_response.file_descriptor_proto
+                await call.done_writing()
+                assert await call.read() is grpc.aio.EOF
+                assert {s.name for s in listed} == {
+                    SERVICE_NAME,
+                    "grpc.health.v1.Health",
+                    "grpc.reflection.v1alpha.ServerReflection",
+                }
+                assert descriptor_pb2.FileDescriptorProto.FromString(files[0]).name == "edgerl/v1/edge.proto"
+
+                watch = health_pb2_grpc.HealthStub(ch).Watch(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10
+                )
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+                stopping = asyncio.create_task(server.stop(grace_s=0.5))
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await stopping
+
+    run(main())
 
 
 CLIENT_FAULTS = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "OK"}
