@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import LEARNER_SERVICE_NAME
@@ -652,6 +653,42 @@ def test_a_publish_of_weights_that_cannot_give_finite_actions_is_refused_the_ser
     net.load_state_dict(_spoiled(net.state_dict(), changes))
     with pytest.raises(ValueError, match=message):
         TorchPolicyBackend(net, spec.act_low, spec.act_high, compute_values=True)
+
+
+def test_weights_of_another_dtype_are_cast_and_values_past_the_served_dtype_are_refused() -> None:
+    """A trainer that sends FLOAT64 (numpy's default) is served as the module's float32. A finite
+    float64 past float32's range would be cast to Inf: before, 1e300 in the first layer's bias of
+    the value head was swapped in (its tanh hid it from the forward-pass check) and the module
+    held Inf. Now the publish is refused naming the tensor and the entry, and the served weights
+    stay."""
+
+    async def main() -> None:
+        async with running_server(_backend(), learner=TransitionConfig()) as server:
+            backend = server.servicer.backend
+            assert isinstance(backend, TorchPolicyBackend)
+            state = _backend(seed=5).policy.state_dict()
+            as_float64 = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                request = weights_request(as_float64, 1)
+                assert request.tensors["critic.0.bias"].dtype == pb.FLOAT64
+                assert (await stub.PublishWeights(request)).applied
+                served = backend.policy.state_dict()
+                assert all(served[k].dtype == v.dtype for k, v in state.items())
+                assert all(torch.equal(served[k], v) for k, v in state.items())  # exact in float64
+
+                past = _spoiled(as_float64, {"critic.0.bias": (7, 1e300)})
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.PublishWeights(weights_request(past, 2))
+                assert (info.value.code(), info.value.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "weights['critic.0.bias']: 1e+300 at index 7 is past the range of float32 "
+                    "(1 such values in all)",
+                )
+                assert backend.version == 1
+                assert all(bool(torch.isfinite(v).all()) for v in backend.policy.state_dict().values())
+
+    run(main())
 
 
 def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -> None:
