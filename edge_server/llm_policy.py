@@ -370,13 +370,18 @@ class VLLMPolicyBackend(PolicyBackend):
         """Write ``weights`` (the model's state-dict names) as safetensors and reload the engine.
 
         Raises:
-            KeyError, ValueError: a tensor is missing, unknown or of the wrong shape; the
-                served weights are then unchanged.
+            KeyError, ValueError: a tensor is missing, unknown or of the wrong shape, or holds a
+                value past the range of the engine's dtype (:func:`check_fits`); the served
+                weights are then unchanged.
         """
         import torch
         from safetensors.torch import save_file
 
+        from edgerl.edge_server.policy import check_fits
+
         check_weights(weights, self.manifest)
+        for name, value in weights.items():
+            check_fits(name, value, self.engine_dtype)
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             # weights read from a message or a mapped checkpoint are read-only arrays; the tensors

@@ -66,13 +66,15 @@ class TorchPolicyBackend(PolicyBackend):
 
         Raises:
             KeyError, ValueError: tensors missing, unknown or of another shape, values that do
-                not fit the module's dtype (:func:`_cast`), or weights that cannot give finite
+                not fit the module's dtype (:func:`check_fits`), or weights that cannot give finite
                 actions (:meth:`_ServedMLP._check`); the served weights and the module's stay as
                 they were.
         """
         current = self.policy.state_dict()
         check_weights(weights, {k: tuple(v.shape) for k, v in current.items()})
-        state = {k: _cast(k, v, current[k].dtype) for k, v in weights.items()}
+        for k, v in weights.items():
+            check_fits(k, v, current[k].dtype)
+        state = {k: torch.from_numpy(np.array(v)).to(current[k].dtype) for k, v in weights.items()}
         served = _ServedMLP(self.policy, self.compute_values, state)  # checked: ValueError
         self.policy.load_state_dict(state)
         self._served = served
@@ -93,26 +95,31 @@ class TorchPolicyBackend(PolicyBackend):
         )
 
 
-def _cast(name: str, value: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """``value`` as a tensor of the module's ``dtype``, which a trainer may have sent in another
-    (a numpy trainer's FLOAT64).
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def check_fits(name: str, value: np.ndarray, dtype: torch.dtype) -> None:
+    """Check that ``value`` (a weight a trainer sent, maybe of another dtype: a numpy trainer's
+    FLOAT64) keeps finite when cast to the served ``dtype``. Costs nothing where no cast is needed,
+    and two passes over the values where one is (a float32 weight served as bfloat16).
 
     Raises:
-        ValueError: a finite value past the range of ``dtype`` (``1e300`` as FLOAT32), which the
+        ValueError: a finite value past the range of ``dtype`` (``1e300`` as float32), which the
             cast would make Inf: such a bias in the value head made every answer's value Inf.
     """
-    tensor = torch.from_numpy(np.array(value)).to(dtype)
-    narrowed = value.dtype.kind != "f" or value.dtype.itemsize > tensor.element_size()
-    if narrowed and tensor.is_floating_point():  # (the sender's floats were checked finite)
-        bad = (~torch.isfinite(tensor)).reshape(-1).nonzero()
-        if len(bad):
-            flat = int(bad[0])
-            index = [int(i) for i in np.unravel_index(flat, value.shape)] if value.ndim > 1 else flat
-            raise ValueError(
-                f"weights[{name!r}]: {value.reshape(-1)[flat].item()!r} at index {index} is past the "
-                f"range of {str(dtype).removeprefix('torch.')} ({len(bad)} such values in all)"
-            )
-    return tensor
+    if not dtype.is_floating_point or value.dtype.kind == "b" or not value.size:
+        return
+    if value.dtype == _NUMPY_DTYPES.get(dtype) or max(value.max(), -value.min()) <= torch.finfo(dtype).max:
+        return
+    cast = torch.from_numpy(np.array(value)).to(dtype)  # exact: a value just past the top rounds to it
+    bad = (~torch.isfinite(cast)).reshape(-1).nonzero()
+    if len(bad):
+        flat = int(bad[0])
+        index = [int(i) for i in np.unravel_index(flat, value.shape)] if value.ndim > 1 else flat
+        raise ValueError(
+            f"weights[{name!r}]: {value.reshape(-1)[flat].item()!r} at index {index} is past the "
+            f"range of {str(dtype).removeprefix('torch.')} ({len(bad)} such values in all)"
+        )
 
 
 class _ServedMLP:

@@ -244,6 +244,17 @@ def test_a_bfloat16_engine_serves_action_tokens_and_takes_float32_weights(model_
         res = backend.infer(obs)
         assert backend.version == 7
         assert (res.actions >= HIGH - (HIGH - LOW) / 256).mean() > 0.1  # the swapped-in head acts
+        # a float32 value past bfloat16's largest (3.39e38) would be cast to Inf: refused, naming it
+        spoiled = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+        spoiled["lm_head.weight"][0, 3] = np.float32(3.4e38)
+        written = (backend._weights_dir / "model.safetensors").stat().st_mtime_ns
+        refused = (
+            r"^weights\['lm_head\.weight'\]: 3\.39\d*e\+38 at index \[0, 3\] is past the range of bfloat16 "
+        )
+        with pytest.raises(ValueError, match=refused + r"\(1 such values in all\)$"):
+            backend.load_weights(spoiled, 8)
+        assert backend.version == 7
+        assert (backend._weights_dir / "model.safetensors").stat().st_mtime_ns == written  # not reloaded
     finally:
         backend.close()
     assert not backend._weights_dir.exists()  # the published weights go with the backend
