@@ -26,10 +26,11 @@ _SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
 
 
 def check_target(target: str, name: str = "server") -> None:
-    """Refuse a server address that no server can have: an empty one, or a ``host:port`` whose
-    port is not a number in [1, 65535]. A client would otherwise retry it for good, as if the
-    server were down. An address without a port (gRPC's default, 443), a bare IPv6 address, or
-    one with a gRPC scheme (``dns:``, ``unix:``, ``ipv4:`` ...) goes to gRPC as it is.
+    """Refuse a server address that no server can have: an empty one, a URL
+    (``http://host:port``), or a ``host:port`` whose port is not a number in [1, 65535]. A client
+    would otherwise retry it for good, as if the server were down. An address without a port
+    (gRPC's default, 443), a bare IPv6 address, or one with a gRPC scheme (``dns:``, ``unix:``,
+    ``ipv4:`` ...) goes to gRPC as it is.
 
     Raises:
         ValueError: naming the setting ``name``.
@@ -38,7 +39,14 @@ def check_target(target: str, name: str = "server") -> None:
         raise ValueError(f"{name}: no address; expected host:port")
     host, colon, port = target.rpartition(":")
     ipv6_without_port = (":" in host and not host.startswith("[")) or target.endswith("]")
-    if target.startswith(_SCHEMES) or not colon or ipv6_without_port:
+    if target.startswith(_SCHEMES):
+        return
+    scheme, slashes, _ = target.partition("://")
+    if slashes:  # gRPC would resolve the whole URL as a host name, and retry it for good
+        raise ValueError(
+            f"{name}: {target!r} is a URL; expected host:port (gRPC takes no {scheme}:// scheme)"
+        )
+    if not colon or ipv6_without_port:
         return
     if not host:
         raise ValueError(f"{name}: {target!r} has no host; expected host:port")

@@ -173,6 +173,7 @@ def test_a_unix_socket_path_longer_than_linux_takes_is_refused_naming_it(
         "[::1]",
         "dns:///host:443",
         "unix:/tmp/x.sock",
+        "unix:///tmp/x.sock",
     ],
 )
 def test_a_server_address_a_server_can_have_goes_to_grpc_as_it_is(target: str) -> None:
@@ -190,6 +191,14 @@ def test_a_server_address_a_server_can_have_goes_to_grpc_as_it_is(target: str) -
         ("robot-7:http", "server: the port of 'robot-7:http' is not a number in [1, 65535]"),
         ("[::1]:", "server: the port of '[::1]:' is not a number in [1, 65535]"),
         (":50051", "server: ':50051' has no host; expected host:port"),  # gRPC connects nowhere
+        (
+            "http://127.0.0.1:50051",  # gRPC resolved it as a host name, and retried it for good
+            "server: 'http://127.0.0.1:50051' is a URL; expected host:port (gRPC takes no http:// scheme)",
+        ),
+        (
+            "grpc://robot-7:50051",
+            "server: 'grpc://robot-7:50051' is a URL; expected host:port (gRPC takes no grpc:// scheme)",
+        ),
     ],
 )
 def test_a_server_address_no_server_can_have_is_refused_before_anything_retries_it(
