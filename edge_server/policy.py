@@ -109,7 +109,10 @@ def check_fits(name: str, value: np.ndarray, dtype: torch.dtype) -> None:
     """
     if not dtype.is_floating_point or value.dtype.kind == "b" or not value.size:
         return
-    if value.dtype == _NUMPY_DTYPES.get(dtype) or max(value.max(), -value.min()) <= torch.finfo(dtype).max:
+    if (
+        value.dtype == _NUMPY_DTYPES.get(dtype)
+        or max(float(value.max()), -float(value.min())) <= torch.finfo(dtype).max
+    ):
         return
     cast = torch.from_numpy(np.array(value)).to(dtype)  # exact: a value just past the top rounds to it
     bad = (~torch.isfinite(cast)).reshape(-1).nonzero()

@@ -243,13 +243,12 @@ class EdgeServer:
         if self.learner is not None:
             add_servicer(server, pb_grpc.add_LearnerServicer_to_server, self.learner)
             services.append(LEARNER_SERVICE_NAME)
-        # as reflection.enable_server_reflection does, with requests that do not parse refused
-        services += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
         add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, self.health, refused_on_read=True)
-        add_servicer(
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        add_servicer(  # as reflection.enable_server_reflection does, with requests that do not parse refused
             server,
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
-            reflection.aio.ReflectionServicer(services),
+            reflection.aio.ReflectionServicer([*services, health_name, reflection.SERVICE_NAME]),
             refused_on_read=True,
         )
         try:

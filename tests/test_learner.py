@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.policy import TorchPolicyBackend, check_fits
 from edgerl.edge_server.server import LEARNER_SERVICE_NAME
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
@@ -689,6 +689,29 @@ def test_weights_of_another_dtype_are_cast_and_values_past_the_served_dtype_are_
                 assert all(bool(torch.isfinite(v).all()) for v in backend.policy.state_dict().values())
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "refused"),
+    [
+        (np.array([1.0, -1e300]), torch.float32, "-1e+300 at index 1 is past the range of float32"),
+        (np.array([[0, 70000]]), torch.float16, "70000 at index [0, 1] is past the range of float16"),
+        (np.array([-(2**63)]), torch.float16, "-9223372036854775808 at index 0 is past the range of float16"),
+        (np.array([3.4e38], np.float32), torch.bfloat16, "is past the range of bfloat16"),
+        (np.array([3.38e38], np.float32), torch.bfloat16, None),  # rounds to bfloat16's largest
+        (np.array([255, 0], np.uint8), torch.float16, None),
+        (np.array([1e300]), torch.float64, None),
+    ],
+)
+def test_check_fits_refuses_exactly_the_values_a_cast_makes_inf(
+    value: np.ndarray, dtype: torch.dtype, refused: str | None
+) -> None:
+    if refused is None:
+        check_fits("w", value, dtype)  # taken: the cast keeps every value finite
+        assert bool(torch.from_numpy(value).to(dtype).isfinite().all())
+    else:
+        with pytest.raises(ValueError, match=re.escape("weights['w']: ") + r".*" + re.escape(refused)):
+            check_fits("w", value, dtype)
 
 
 def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -> None:

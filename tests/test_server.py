@@ -170,6 +170,9 @@ def test_describe_health_and_reflection() -> None:
                 health = health_pb2_grpc.HealthStub(ch)
                 resp = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as unknown:  # a status only for what it serves
+                    await health.Check(health_pb2.HealthCheckRequest(service="grpc.health.v1.Health"))
+                assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         finally:
             await server.stop()
 
