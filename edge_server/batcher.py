@@ -155,6 +155,9 @@ class BatcherStats:
     dropped_rows: int = 0
     """Rows of ended streams taken out of the queue before a batch ran them
     (:meth:`DynamicBatcher.drop_queued`)."""
+    failed_requests: int = 0
+    """Requests failed by their batch's forward pass: it raised, or gave NaN or Inf for their
+    rows."""
     queue_wait_us: collections.deque[int] = field(default_factory=_window)
     inference_us: collections.deque[int] = field(default_factory=_window)
     batch_rows: collections.deque[int] = field(default_factory=_window)
@@ -485,6 +488,7 @@ class DynamicBatcher:
                 self._finish(req)
                 if not req.future.done():
                     req.future.set_exception(error)
+                    self.stats.failed_requests += 1
             return
         assert outcome is not None  # no error: _infer returned it
         result, version, inference_us, non_finite = outcome
@@ -515,6 +519,7 @@ class DynamicBatcher:
                     req.future.set_exception(
                         NonFiniteOutputError(f"NaN or Inf in the policy's output for {bad} of the {n} rows")
                     )
+                    st.failed_requests += 1
                 else:
                     req.future.set_result(
                         BatchResult(

@@ -328,6 +328,7 @@ class Activity:
     refused_full: int
     refused_invalid: int
     refused_streams: int
+    failed: int
     version: int
     queue_wait_us_p99: int
     inference_us_p50: int
@@ -344,6 +345,7 @@ class Activity:
             r.rejected_queue_full,
             r.rejected_invalid,
             r.rejected_streams,
+            r.failed_requests,
             r.policy_version,
             r.queue_wait_us_p99,
             r.inference_us_p50,
@@ -352,7 +354,7 @@ class Activity:
 
 def activity_line(before: Activity, now: Activity) -> str | None:
     """One line on what the server did between two snapshots, or None when it was idle and
-    nothing changed (no rows, the same streams, version and refusals). The percentiles are of
+    nothing changed (no rows, the same streams, version, refusals and failures). The percentiles are of
     the last 8,192 requests (queue wait) and batches (inference), as in ``Stats``."""
     rows, batches = now.rows - before.rows, now.batches - before.batches
     refused = (
@@ -360,7 +362,8 @@ def activity_line(before: Activity, now: Activity) -> str | None:
         now.refused_invalid - before.refused_invalid,
         now.refused_streams - before.refused_streams,
     )
-    changed = (now.streams, now.version) != (before.streams, before.version) or any(refused)
+    failed = now.failed - before.failed
+    changed = (now.streams, now.version) != (before.streams, before.version) or any(refused) or failed > 0
     if rows == 0 and not changed:
         return None
     seconds = max(now.time_s - before.time_s, 1e-9)
@@ -373,6 +376,8 @@ def activity_line(before: Activity, now: Activity) -> str | None:
     line += f", policy version {now.version}"
     if any(refused):
         line += "; refused {} (queue full), {} (invalid), {} (max_streams)".format(*refused)
+    if failed:
+        line += f"; {failed} failed (the policy's forward pass)"
     return line
 
 

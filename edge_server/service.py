@@ -583,6 +583,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             rejected_queue_full=st.rejected_queue_full,
             rejected_invalid=self.rejected_invalid,
             rejected_streams=self.rejected_streams,
+            failed_requests=st.failed_requests,
             active_streams=self.active_streams,
             queue_wait_us_p50=percentile(st.queue_wait_us, 50),
             queue_wait_us_p99=percentile(st.queue_wait_us, 99),

@@ -329,7 +329,7 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
 
 
 #: The server's counters that :func:`mode_stats` takes per mode: what its runs added to them.
-MODE_COUNTERS = ("requests", "batches", "rows", "rejected_queue_full", "rejected_invalid")
+MODE_COUNTERS = ("requests", "batches", "rows", "rejected_queue_full", "rejected_invalid", "failed_requests")
 #: The server's percentiles, each with the counter of the samples it is taken over.
 MODE_PERCENTILES = {
     "queue_wait_us_p50": "requests",

@@ -573,6 +573,7 @@ def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
             "rejected_queue_full": st.rejected_queue_full,
             "rejected_invalid": st.rejected_invalid,
             "rejected_streams": st.rejected_streams,
+            "failed_requests": st.failed_requests,
             "policy_version": st.policy_version,
         }
 

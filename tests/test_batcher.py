@@ -169,6 +169,7 @@ def test_a_result_that_does_not_split_fails_its_batch_and_the_next_is_served() -
             await asyncio.wait_for(b.submit(_obs(3, 1.0)), 5.0)
         res = await asyncio.wait_for(b.submit(_obs(3, 2.0)), 5.0)
         np.testing.assert_array_equal(res.actions, 2.0)
+        assert (b.stats.failed_requests, b.stats.requests) == (1, 1)  # the failed batch is no batch run
         await b.close()
 
     run(main())
@@ -201,6 +202,7 @@ def test_a_request_whose_output_is_not_finite_fails_and_the_batchs_others_are_an
         again = [b.submit(_obs(1, 3.0), s) for s in streams]  # the next batch is served
         for res in await asyncio.wait_for(asyncio.gather(*again), 5.0):
             np.testing.assert_array_equal(res.actions, 3.0)
+        assert (b.stats.failed_requests, b.stats.requests) == (2, 6)  # the Stats RPC's failed_requests
         await b.close()
 
     run(main())

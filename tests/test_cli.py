@@ -330,16 +330,20 @@ def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
     from edgerl.edge_server.batcher import STATS_WINDOW
     from edgerl.launch.bench_throughput import mode_stats
 
-    def stats(requests: int, batches: int, rows: int, queue_full: int = 0) -> dict[str, float]:
+    def stats(
+        requests: int, batches: int, rows: int, queue_full: int = 0, failed: int = 0
+    ) -> dict[str, float]:
         totals = {"requests": requests, "batches": batches, "rows": rows, "rejected_invalid": 0}
+        totals["failed_requests"] = failed
         percentiles = {"queue_wait_us_p50": 11, "queue_wait_us_p99": 99, "inference_us_p50": rows % 1000}
         extra = {"inference_us_p99": 2000, "max_batch_rows": 64, "mean_batch_rows": 1.0, "policy_version": 7}
         return {**totals, "rejected_queue_full": queue_full, **percentiles, **extra}
 
     # the server's totals since start hold an earlier mode's 100 requests of one row
-    first = mode_stats(None, stats(100, 100, 100), stats(300, 150, 6500, queue_full=2))
+    first = mode_stats(None, stats(100, 100, 100, failed=1), stats(300, 150, 6500, queue_full=2, failed=4))
     assert first == {
         **{"requests": 200, "batches": 50, "rows": 6400, "rejected_queue_full": 2, "rejected_invalid": 0},
+        "failed_requests": 3,
         "mean_batch_rows": 128.0,
         # the server's window holds the earlier mode's samples too: no percentile is this mode's
         **dict.fromkeys(["queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99"]),
@@ -370,6 +374,7 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["episodes"] > 0  # the random initial policy drops the pendulum quickly
     assert summary["server"]["requests"] > 100
     assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
+    assert summary["server"]["failed_requests"] == 0
 
 
 def test_a_step_bar_ends_full_at_its_total_and_counts_on_without_one(
@@ -802,7 +807,7 @@ def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -
     from edgerl.edge_server.server import Activity, activity_line
 
     before = Activity(10.0, 2, rows=1000, batches=100, refused_full=0, refused_invalid=1, refused_streams=0,
-                      version=3, queue_wait_us_p99=0, inference_us_p50=0)  # fmt: skip
+                      failed=0, version=3, queue_wait_us_p99=0, inference_us_p50=0)  # fmt: skip
     busy = dataclasses.replace(
         before, time_s=12.0, rows=9000, batches=600, queue_wait_us_p99=1250, inference_us_p50=800
     )
@@ -820,6 +825,14 @@ def test_activity_lines_say_what_the_server_did_and_nothing_when_it_was_idle() -
     assert activity_line(left, crowded) == (
         "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; "
         "refused 0 (queue full), 0 (invalid), 7 (max_streams)"
+    )
+    faulty = dataclasses.replace(crowded, time_s=34.0, rows=9064, batches=602, failed=3)  # a policy's faults
+    assert activity_line(crowded, faulty) == (
+        "1 stream(s), 32 rows/s in 1 batches/s (32.0 rows each), queue wait p99 1.2 ms, "
+        "inference p50 0.8 ms, policy version 4; 3 failed (the policy's forward pass)"
+    )
+    assert activity_line(faulty, dataclasses.replace(faulty, time_s=36.0, failed=4)) == (
+        "1 stream(s), 0 rows/s in 0 batches/s, policy version 4; 1 failed (the policy's forward pass)"
     )
 
 

@@ -411,7 +411,7 @@ def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_othe
     async def main() -> None:
         path = str(tmp_path / "act.sock")
         async with (
-            running_server(EchoPolicy(OBS, ACT, fail_on=666), local_socket=path, max_delay_us=0),
+            running_server(EchoPolicy(OBS, ACT, fail_on=666), local_socket=path, max_delay_us=0) as server,
             _connected(path) as good,
             _connected(path) as (reader, writer),
         ):
@@ -419,6 +419,7 @@ def test_a_failed_forward_pass_fails_its_local_stream_with_internal_and_the_othe
             writer.write(frames.encode_obs(1, _rows([0, 1], np.full((2, OBS), 666, np.float32))))
             assert await _refusal(reader) == ("INTERNAL", "policy forward pass failed: cannot act on 666")
             await _ask(good, [2, 3])  # the other stream is still served
+            assert server.servicer.stats().failed_requests == 1
 
     run(main())
 

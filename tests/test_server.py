@@ -1098,6 +1098,8 @@ def test_a_failed_forward_pass_fails_its_callers_with_internal_and_the_server_go
                 ans = await client.act(np.ones((2, OBS), np.float32))  # ...and new calls
                 assert ans.actions.shape == (2, ACT)
                 await healthy.close()
+                stats = await client.stats()  # the failures are counted as the server's own
+                assert (stats.failed_requests, stats.rejected_invalid) == (2, 0)
 
     run(main())
 
