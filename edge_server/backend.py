@@ -52,6 +52,16 @@ def check_weights(weights: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             )
 
 
+def publish_limit(weights_values: int, max_message_bytes: int) -> int:
+    """The largest ``PublishWeights`` request a server takes: ``weights_values`` values as
+    FLOAT64 (8 bytes each; the trainer's own dtype is at most that) and 1 MiB for the names and
+    tensor headers, or ``max_message_bytes`` where that is more; at most gRPC's limit, a C int.
+    A trainer's ``mlp-large`` weights (4.4 M float32 values, 17.5 MB as sent) went over the
+    default ``max_message_bytes`` (4 MiB), and ``edgerl train --policy mlp-large`` failed at its
+    first publish."""
+    return min(max(8 * weights_values + (1 << 20), max_message_bytes), 2**31 - 1)
+
+
 class PolicyBackend(abc.ABC):
     """What the edge server needs of a policy."""
 
@@ -62,6 +72,9 @@ class PolicyBackend(abc.ABC):
     #: Batches the backend takes at once: above 1, :meth:`infer` is called from that many
     #: threads concurrently (a backend that batches continuously inside, e.g. vLLM).
     pipeline_depth: int = 1
+    #: Values its weights hold (0: it takes no weights): a server with a learner accepts a
+    #: ``PublishWeights`` request of them as FLOAT64 however large (:func:`publish_limit`).
+    weights_values: int = 0
 
     def __init__(
         self,

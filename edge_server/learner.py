@@ -69,7 +69,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
     ) -> None:
         store = self.store
         generation = store.trainer_connected()
-        bad_ack: list[str] = []
+        bad_ack: list[tuple[grpc.StatusCode, str]] = []
         reader = asyncio.get_running_loop().create_task(self._read_acks(request_iterator, bad_ack))
         log.info("trainer connected (generation %d)", generation)
         try:
@@ -91,7 +91,7 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                     size += n
                 await write_message(context, pb.TransitionBatch(segments=batch))
             if bad_ack:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad_ack[0])
+                await context.abort(*bad_ack[0])
             if reader.done() and not reader.cancelled() and (exc := reader.exception()) is not None:
                 # a fault of the server's own: said, where the stream once ended as if all was well
                 await context.abort(*own_fault(log, f"trainer stream of generation {generation}", exc))
@@ -107,14 +107,17 @@ class LearnerServicer(pb_grpc.LearnerServicer):
             reader.cancel()
             log.info("trainer stream ended (generation %d)", generation)
 
-    async def _read_acks(self, requests: AsyncIterator[pb.TransitionAck | Unparsed], bad: list[str]) -> None:
+    async def _read_acks(
+        self, requests: AsyncIterator[pb.TransitionAck | Unparsed], bad: list[tuple[grpc.StatusCode, str]]
+    ) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError):
             async for ack in requests:
                 last = self.store.next_seq - 1
                 if isinstance(ack, Unparsed):
-                    bad.append(ack.message)
+                    bad.append((ack.code, ack.message))
                 elif ack.acked_seq > last:
-                    bad.append(f"acked_seq: {ack.acked_seq} was never sent (last segment is {last})")
+                    never = f"acked_seq: {ack.acked_seq} was never sent (last segment is {last})"
+                    bad.append((grpc.StatusCode.INVALID_ARGUMENT, never))
                 else:
                     self.store.ack(ack.acked_seq, ack.window_steps)
                     continue

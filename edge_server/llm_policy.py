@@ -164,6 +164,7 @@ class VLLMPolicyBackend(PolicyBackend):
         self.chunk = chunk
         self.codec = ObsActionCodec(act_low, act_high, obs_clip=obs_clip, instruction=instruction)
         self.manifest = weights_manifest(self.model_dir)
+        self.weights_values = sum(int(np.prod(shape)) for shape in self.manifest.values())
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # On CPU vLLM otherwise reserves a share of the node's memory for its KV cache
         # (~3-5 GiB here), and a second engine on the machine (a benchmark's in-process

@@ -47,6 +47,7 @@ class TorchPolicyBackend(PolicyBackend):
         self.compute_values = compute_values
         self._rng = np.random.default_rng(seed)
         self._served = _ServedMLP(self.policy, compute_values)
+        self.weights_values = sum(v.numel() for v in self.policy.state_dict().values())
         self.torch_threads = torch.get_num_threads()
         """Threads of torch's math kernels in every thread that infers: the count set when the
         backend was built (``torch.set_num_threads``)."""

@@ -138,6 +138,7 @@ class ReplicatedBackend(PolicyBackend):
         )
         self.name = f"{info['name']}-x{replicas}"
         self.chunk = info["chunk"]
+        self.weights_values = info["weights_values"]
         self.pipeline_depth = replicas
         # the replicas not answering a batch; None once none is alive (wakes every waiter)
         self._free: queue.SimpleQueue[_Replica | None] = queue.SimpleQueue()
@@ -247,6 +248,7 @@ def _serve(conn: Connection) -> None:
             {
                 "name": backend.name,
                 "chunk": backend.chunk,
+                "weights_values": backend.weights_values,
                 "obs_shape": backend.obs_shape,
                 "act_shape": backend.act_shape,
                 "act_low": backend.act_low,

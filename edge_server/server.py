@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
-from edgerl.edge_server.backend import PolicyBackend
+from edgerl.edge_server.backend import PolicyBackend, publish_limit
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
@@ -56,7 +56,9 @@ class ServerConfig:
     max_queue_rows: int = 4096
     """Most observation rows waiting at once; a request beyond it gets RESOURCE_EXHAUSTED."""
     max_message_bytes: int = 4 * 1024 * 1024
-    """Largest message accepted or sent (bytes); beyond it RESOURCE_EXHAUSTED."""
+    """Largest message accepted or sent (bytes); beyond it RESOURCE_EXHAUSTED. A trainer's
+    ``PublishWeights`` may be larger: it takes the served weights as FLOAT64
+    (:func:`~edgerl.edge_server.backend.publish_limit`)."""
     max_envs_per_stream: int = 1024
     """Most envs one stream may declare."""
     max_streams: int = 1024
@@ -224,8 +226,11 @@ class EdgeServer:
             )
         await self.batcher.run_between_batches(self.backend.warmup)  # on the inference thread
         self.batcher.start()
+        limit = (cfg.max_message_bytes, "max_message_bytes")
+        publish = publish_limit(self.backend.weights_values, cfg.max_message_bytes) if self.learner else 0
         options = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            # the largest of the methods' limits; each method's own is applied as it parses
+            ("grpc.max_receive_message_length", max(cfg.max_message_bytes, publish)),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
             # Clients may ping as often as twice a second while neither side sends data (a
@@ -237,19 +242,36 @@ class EdgeServer:
             options += keepalive_options(cfg.keepalive_s, cfg.keepalive_timeout_s)
         server = grpc.aio.server(options=options, interceptors=[self.auth] if self.auth else None)
         add_servicer(
-            server, pb_grpc.add_EdgePolicyServicer_to_server, self.servicer, self.servicer.count_invalid
+            server,
+            pb_grpc.add_EdgePolicyServicer_to_server,
+            self.servicer,
+            self.servicer.count_invalid,
+            limit=limit,
         )
         services = [SERVICE_NAME]
         if self.learner is not None:
-            add_servicer(server, pb_grpc.add_LearnerServicer_to_server, self.learner)
+            add_servicer(
+                server,
+                pb_grpc.add_LearnerServicer_to_server,
+                self.learner,
+                limit=limit,
+                limit_of={"PublishWeights": None},  # gRPC's, the largest of them
+            )
             services.append(LEARNER_SERVICE_NAME)
-        add_servicer(server, health_pb2_grpc.add_HealthServicer_to_server, self.health, refused_on_read=True)
+        add_servicer(
+            server,
+            health_pb2_grpc.add_HealthServicer_to_server,
+            self.health,
+            refused_on_read=True,
+            limit=limit,
+        )
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         add_servicer(  # as reflection.enable_server_reflection does, with requests that do not parse refused
             server,
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server,
             reflection.aio.ReflectionServicer([*services, health_name, reflection.SERVICE_NAME]),
             refused_on_read=True,
+            limit=limit,
         )
         try:
             if self.local is not None:

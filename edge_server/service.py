@@ -292,7 +292,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
 
     def count_invalid(self) -> None:
         """Count a request refused as invalid before a method of this servicer ran (one that did
-        not parse, :mod:`edgerl.edge_server.parsing`)."""
+        not parse, or too large, :mod:`edgerl.edge_server.parsing`)."""
         self.rejected_invalid += 1
 
     @property
@@ -404,7 +404,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     opened.reads += 1
                     continue
                 if isinstance(req, Unparsed):
-                    raise InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, req.message)
+                    raise InvalidRequestError(req.code, req.message)
                 if self.batcher.closing:
                     raise BatcherClosedError("server is shutting down")
                 kind = req.WhichOneof("kind")

@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-message-bytes",
         type=bounded(int, 1024, GRPC_INT_MAX),
         default=_DEFAULT_SERVER.max_message_bytes,
-        help="largest message accepted or sent (bytes)",
+        help="largest message accepted or sent (bytes); a weight publish may hold the served weights "
+        "as FLOAT64 beyond it",
     )
     p.add_argument(
         "--max-envs-per-stream",

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 import torch
 
+from edgerl.edge_server.backend import publish_limit
 from edgerl.edge_server.policy import TorchPolicyBackend, check_fits
 from edgerl.edge_server.server import LEARNER_SERVICE_NAME
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.models import build_policy
+from edgerl.proto import tensors
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
@@ -712,6 +714,76 @@ def test_check_fits_refuses_exactly_the_values_a_cast_makes_inf(
     else:
         with pytest.raises(ValueError, match=re.escape("weights['w']: ") + r".*" + re.escape(refused)):
             check_fits("w", value, dtype)
+
+
+def test_weights_past_max_message_bytes_are_published_and_every_other_request_keeps_the_limit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A trainer's weights may be larger than ``max_message_bytes``, which bounds what a client
+    sends on the Act path: ``mlp-large``'s (17.5 MB as float32) were refused with the default
+    4 MiB, and ``edgerl train --policy mlp-large`` failed at its first publish. Here ``mlp-small``
+    (45 KB) against 16 KiB: the publish is taken, also as FLOAT64, while every other method's
+    requests past 16 KiB are refused with RESOURCE_EXHAUSTED naming the limit, and the server
+    serves on."""
+    limit = 16 * 1024
+    obs_dim = env_spec(ENV).obs_shape[0]
+    message = re.compile(r"^request: [\d,]+ bytes, more than max_message_bytes \(16,384\)$")
+
+    async def main() -> None:
+        backend = _backend()
+        assert backend.weights_values == sum(v.numel() for v in backend.policy.state_dict().values())
+        async with running_server(backend, learner=TransitionConfig(), max_message_bytes=limit) as server:
+            state = _backend(seed=5).policy.state_dict()
+            as_float64 = {k: v.double() for k, v in state.items()}
+            assert weights_request(state, 1).ByteSize() > 2 * limit
+            async with grpc.aio.insecure_channel(server.address) as ch, EdgeClient(server.address) as client:
+                stub = pb_grpc.LearnerStub(ch)
+                assert (await stub.PublishWeights(weights_request(state, 1))).applied
+                assert (await stub.PublishWeights(weights_request(as_float64, 2))).applied
+                assert backend.version == 2
+
+                healthy = await client.open_stream(session_id="healthy", num_envs=1, obs_shape=(obs_dim,))
+                too_large = np.zeros((1, limit // 4 + 1), np.float32)  # > 16 KiB in one request
+                refusals = []
+                act = pb_grpc.EdgePolicyStub(ch).Act(timeout=10)
+                await act.write(
+                    pb.ActRequest(hello=pb.StreamHello(session_id="big", num_envs=1, obs_shape=[obs_dim]))
+                )
+                await act.write(
+                    pb.ActRequest(step=pb.StepObservation(seq=0, env_ids=[0], obs=tensors.encode(too_large)))
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                    await act.read()
+                refusals.append(streamed.value)
+                unary = pb.ActUnaryRequest(obs=tensors.encode(too_large))
+                with pytest.raises(grpc.aio.AioRpcError) as called:
+                    await pb_grpc.EdgePolicyStub(ch).ActUnary(unary, timeout=10)
+                refusals.append(called.value)
+                acks = stub.StreamTransitions(timeout=10)
+                await acks.write(pb.TransitionAck(trainer_id="t" * limit))
+                with pytest.raises(grpc.aio.AioRpcError) as acked:
+                    await acks.read()
+                refusals.append(acked.value)
+                for refusal in refusals:
+                    assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert message.match(refusal.details() or ""), refusal.details()
+                obs = np.ones((1, obs_dim), np.float32)
+                await healthy.send([0], obs, np.zeros(1), np.zeros(1, bool), np.zeros(1, bool))
+                assert (await healthy.recv()).policy_version == 2  # the server serves on
+                await healthy.close()
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_the_publish_limit_fits_the_largest_preset_as_float64_and_stops_at_grpcs() -> None:
+    net = build_policy("mlp-large", 17, 6)
+    values = sum(v.numel() for v in net.state_dict().values())
+    as_float64 = weights_request({k: v.double() for k, v in net.state_dict().items()}, 1).ByteSize()
+    assert 4 * 1024 * 1024 < as_float64 <= publish_limit(values, 4 * 1024 * 1024)
+    assert publish_limit(0, 4 * 1024 * 1024) == 4 * 1024 * 1024  # a backend that takes no weights
+    assert publish_limit(10**9, 4 * 1024 * 1024) == 2**31 - 1  # gRPC's largest
 
 
 def test_publish_and_the_transition_feed_without_a_learner_are_unimplemented() -> None:

@@ -68,6 +68,7 @@ def test_replicas_sample_their_own_noise_and_take_weights_together() -> None:
         assert not np.allclose(backend.infer(OBS).actions, first, atol=1e-3)
         # new weights with no noise to speak of: every replica answers the same means
         weights = {k: v.detach().numpy().copy() for k, v in single.policy.state_dict().items()}
+        assert backend.weights_values == single.weights_values == sum(w.size for w in weights.values())
         weights["actor_log_std"][:] = -30.0
         weights["actor_mean.0.bias"] += 0.5
         backend.load_weights(weights, 7)

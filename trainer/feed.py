@@ -22,6 +22,7 @@ import numpy as np
 
 from edgerl.proto import tensors
 from edgerl.proto.keepalive import check_keepalive, keepalive_options
+from edgerl.proto.settings import GRPC_INT_MAX
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
@@ -211,7 +212,8 @@ def learner_channel(
         security,
         [
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
-            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            # weights of any size: the server says what it takes (a publish of more gets RESOURCE_EXHAUSTED)
+            ("grpc.max_send_message_length", GRPC_INT_MAX),
             *keepalive_options(keepalive_s, keepalive_timeout_s),
             ("grpc.http2.max_pings_without_data", 0),  # else it stops pinging after 2 while idle
         ],
