@@ -36,6 +36,7 @@ from edgerl.launch.processes import (
     check_dtype,
     check_fleet,
     fleet_groups,
+    largest_request,
     llm_model_dir,
     on_stop_signals,
 )
@@ -94,7 +95,10 @@ class RunConfig:
         if self.groups < 0:
             raise ValueError(f"groups must be >= 0 (0: chosen by envs per worker), got {self.groups}")
         check_fleet(
-            self.envs, self.workers, self.fleet_groups, max_envs_per_stream=ServerConfig.max_envs_per_stream
+            self.envs,
+            self.workers,
+            self.fleet_groups,
+            max_envs_per_stream=ServerConfig.max_envs_per_stream,
         )
         if self.steps < 1 or self.segment_steps < 1:
             raise ValueError("steps and segment_steps must be >= 1")
@@ -306,7 +310,10 @@ def run_training(
         weight_sync_interval=1 if cfg.sync else cfg.weight_sync_interval,
     )
     t_start = time.monotonic()
-    with ServerProcess(policy_spec, ServerConfig(port=0, learner=learner), log_level=log_level) as server:
+    # a batch for a group's step however many envs it holds (1,024 envs in 2 groups were refused)
+    rows = max(ServerConfig.max_batch_size, largest_request(cfg.envs, cfg.workers, cfg.fleet_groups))
+    server_cfg = ServerConfig(port=0, max_batch_size=rows, learner=learner)
+    with ServerProcess(policy_spec, server_cfg, log_level=log_level) as server:
         run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
         trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume, run_info=run_info)
         worker_cfg = SimWorkerConfig(

@@ -35,6 +35,7 @@ from edgerl.launch.processes import (
     WorkerLink,
     check_fleet,
     end_with_parent,
+    largest_request,
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
@@ -245,6 +246,18 @@ def test_a_fleet_with_a_backfill_worker_is_checked(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         check_fleet(envs, workers, 2, max_envs_per_stream=per_stream, backfill_envs=backfill)
+
+
+def test_a_fleet_whose_requests_a_batch_cannot_hold_is_checked() -> None:
+    """Each group's step is one request of a row per env, the backfill worker's all its envs."""
+    assert largest_request(1024, 1, 2) == 512 and largest_request(1025, 2, 2) == 257
+    assert largest_request(600, 2, 2, backfill_envs=300) == 300
+    check_fleet(1024, 1, 4, max_batch_size=256)  # 4 groups of 256
+    check_fleet(1024, 2, 2, max_batch_size=256)
+    with pytest.raises(ValueError, match=r"puts 257 envs in a group, .* use workers >= 3, groups >= 3 or"):
+        check_fleet(1025, 2, 2, max_batch_size=256)  # 513 and 512 envs on the two streams
+    with pytest.raises(ValueError, match=r"^backfill envs \(300\) step as one request of as many rows"):
+        check_fleet(600, 2, 2, max_batch_size=256, backfill_envs=300)
 
 
 @contextlib.contextmanager

@@ -75,6 +75,20 @@ def test_inverted_pendulum_learns_through_the_full_pipeline(tmp_path: Path) -> N
     assert served["episodes"] >= 8 and served["return_mean_last20"] >= 300, served
 
 
+def test_a_run_past_the_servers_default_limits_trains(tmp_path: Path) -> None:
+    """Two limits of a server's defaults that a run met: ``mlp-large``'s weights (17.5 MB) are
+    more than ``max_message_bytes`` (4 MiB), and the first publish failed; 600 envs in one
+    worker's two groups step 300 at a time, more than ``max_batch_size`` (256), and the worker
+    was refused at its first step. Now the run's server takes both: two updates, two publishes."""
+    run_dir = tmp_path / "run"
+    args = (
+        "--env InvertedPendulum-v5 --envs 600 --workers 1 --segment-steps 4 --steps 4800 --policy mlp-large"
+    )
+    summary = _train([*args.split(), "--run-dir", str(run_dir)], tmp_path, "limits")
+    assert (summary["updates"], summary["policy_version"], summary["env_steps"]) == (2, 2, 4800)
+    assert [m["charts/served_version"] for m in _metrics(run_dir)] == [1, 2]  # the server took each publish
+
+
 def test_workers_that_start_late_still_join_a_full_window(tmp_path: Path) -> None:
     # A window of 8 steps: the first worker up fills it in 4 steps of its 2 envs, long before
     # the second has spawned and built its envs; the second must join once updates drain it.
