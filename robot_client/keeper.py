@@ -235,7 +235,12 @@ class StreamKeeper(Generic[Part]):
                     self._live = asyncio.Queue()
                     self.on_up(self.epoch)
                     backoff = cfg.backoff_initial_s
-                    await self._serve(stream, self._live, join=not info.sync_env_steps)
+                    await self._serve(
+                        stream,
+                        self._live,
+                        join=not info.sync_env_steps,
+                        max_rows=info.max_batch_size or cfg.num_envs,  # 0: a server that says none
+                    )
                 except errors.EdgeRLError as exc:
                     self._live = None
                     if self.stopping.is_set():
@@ -252,10 +257,14 @@ class StreamKeeper(Generic[Part]):
                     await asyncio.wait_for(self.stopping.wait(), backoff * rng.uniform(0.5, 1.0))
                 backoff = min(2 * backoff, cfg.backoff_max_s)
 
-    async def _serve(self, stream: ActStream, live: asyncio.Queue[Part], *, join: bool) -> None:
+    async def _serve(
+        self, stream: ActStream, live: asyncio.Queue[Part], *, join: bool, max_rows: int
+    ) -> None:
         pending: deque[int] = deque()
         sent = asyncio.Event()
-        sender = asyncio.ensure_future(self._send_loop(stream, live, pending, sent, join))
+        sender = asyncio.ensure_future(
+            self._send_loop(stream, live, pending, sent, join=join, max_rows=max_rows)
+        )
         stop_wait = asyncio.ensure_future(self.stopping.wait())
         try:
             while not self.stopping.is_set():
@@ -281,34 +290,50 @@ class StreamKeeper(Generic[Part]):
         live: asyncio.Queue[Part],
         pending: deque[int],
         sent: asyncio.Event,
+        *,
         join: bool,
+        max_rows: int,
     ) -> None:
         """Send what was offered: with ``join``, all parts offered meanwhile in one message; else
         each part in one of its own (a server in synchronous mode, ``ServerLimits.sync_env_steps``,
         holds a message whole while any of its envs is at its quota: joined, a sim worker's group
-        at its quota held the other's step that the batch still needed, and the run stopped)."""
+        at its quota held the other's step that the batch still needed, and the run stopped).
+        A message holds at most ``max_rows`` rows, the server's ``max_batch_size``: the rest go in
+        the next (a slot of 8 robots to a server of 4 rows a batch, or the slots a host that ran
+        behind joins past 256, went as one message, which the server refused, ending the stream
+        each time it opened)."""
         while True:
             parts = [await live.get()]
             while join and not live.empty():
                 parts.append(live.get_nowait())
             rows = self.combine(parts)
-            n = len(rows.env_ids)
-            await stream.send(
-                rows.env_ids.tolist(),
-                rows.obs.reshape(n, *self.settings.obs_shape),
-                rows.rewards,
-                rows.flags[:, 0],
-                rows.flags[:, 1],
-                fallback=rows.flags[:, 2],
-                obs_index=rows.obs_index,
-            )
-            pending.append(n)
-            sent.set()
+            total = len(rows.env_ids)
+            for start in range(0, total, max_rows):
+                some = rows if total <= max_rows else slice_rows(rows, start, start + max_rows)
+                n = len(some.env_ids)
+                await stream.send(
+                    some.env_ids.tolist(),
+                    some.obs.reshape(n, *self.settings.obs_shape),
+                    some.rewards,
+                    some.flags[:, 0],
+                    some.flags[:, 1],
+                    fallback=some.flags[:, 2],
+                    obs_index=some.obs_index,
+                )
+                pending.append(n)
+                sent.set()
+
+
+_ROW_FIELDS = ("env_ids", "obs", "rewards", "flags", "obs_index")
+
+
+def slice_rows(rows: ObsRows, start: int, stop: int) -> ObsRows:
+    """Rows ``start`` to ``stop`` of ``rows``."""
+    return ObsRows(*(getattr(rows, f)[start:stop] for f in _ROW_FIELDS))
 
 
 def concat_rows(parts: list[ObsRows]) -> ObsRows:
     """The rows of ``parts``, in order, as one."""
     if len(parts) == 1:
         return parts[0]
-    fields = ("env_ids", "obs", "rewards", "flags", "obs_index")
-    return ObsRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in fields))
+    return ObsRows(*(np.concatenate([getattr(p, f) for p in parts]) for f in _ROW_FIELDS))

@@ -159,6 +159,24 @@ def test_policy_actions_reach_every_robot_in_time(network_process: bool) -> None
 
 
 @BOTH_STREAMS
+def test_more_robots_than_the_servers_batch_go_in_several_messages(network_process: bool) -> None:
+    """9 robots (a slot of 8 and one of 1) and a server whose batch holds 4 rows: a slot's rows
+    went in one message, which the server refused (``step.env_ids: need 1 to 4 env ids
+    (max_batch_size)``), ending the stream each time it opened, and the robots fell back. Now they
+    go in messages of at most 4 rows, and each robot applies policy actions."""
+    robots = [CounterRobot(f"c{i}", rid=i) for i in range(9)]
+    with ServerThread(EchoPolicy(3, 2), max_batch_size=4) as srv:
+        stats = _run(RobotHost(robots, _config(srv.address, network_process=network_process)), 1.5)
+        assert srv.server is not None
+        served = srv.server.servicer.stats()
+    assert (served.rejected_invalid, served.max_batch_rows) == (0, 4)
+    assert served.requests >= 3 * 60  # at least three messages a tick
+    for r, s in zip(robots, stats, strict=True):
+        assert s["ticks"] >= 60 and s["fallbacks"] <= 2 + s["ticks"] // 10, s
+        np.testing.assert_allclose(np.array(r.applied[5:])[:, 1], r.rid)  # its own answers
+
+
+@BOTH_STREAMS
 def test_injected_latency_beyond_the_deadline_gives_fallbacks_and_the_server_is_told(
     network_process: bool,
 ) -> None:
