@@ -254,6 +254,7 @@ def test_a_fleet_whose_requests_a_batch_cannot_hold_is_checked() -> None:
     assert largest_request(600, 2, 2, backfill_envs=300) == 300
     check_fleet(1024, 1, 4, max_batch_size=256)  # 4 groups of 256
     check_fleet(1024, 2, 2, max_batch_size=256)
+    check_fleet(1100, 2, 2, max_batch_size=256, backfill_envs=100)  # groups of 250 and the backfill's 100
     with pytest.raises(ValueError, match=r"puts 257 envs in a group, .* use workers >= 3, groups >= 3 or"):
         check_fleet(1025, 2, 2, max_batch_size=256)  # 513 and 512 envs on the two streams
     with pytest.raises(ValueError, match=r"^backfill envs \(300\) step as one request of as many rows"):
