@@ -722,7 +722,7 @@ def test_weights_past_max_message_bytes_are_published_and_every_other_request_ke
     """A trainer's weights may be larger than ``max_message_bytes``, which bounds what a client
     sends on the Act path: ``mlp-large``'s (17.5 MB as float32) were refused with the default
     4 MiB, and ``edgerl train --policy mlp-large`` failed at its first publish. Here ``mlp-small``
-    (45 KB) against 16 KiB: the publish is taken, also as FLOAT64, while every other method's
+    (37 KB) against 16 KiB: the publish is taken, also as FLOAT64, while every other method's
     requests past 16 KiB are refused with RESOURCE_EXHAUSTED naming the limit, and the server
     serves on."""
     limit = 16 * 1024
