@@ -226,11 +226,16 @@ class EdgeServer:
             )
         await self.batcher.run_between_batches(self.backend.warmup)  # on the inference thread
         self.batcher.start()
-        limit = (cfg.max_message_bytes, "max_message_bytes")
-        publish = publish_limit(self.backend.weights_values, cfg.max_message_bytes) if self.learner else 0
+        receive = (
+            publish_limit(self.backend.weights_values, cfg.max_message_bytes)
+            if self.learner
+            else cfg.max_message_bytes
+        )
+        # every method but PublishWeights checks max_message_bytes as it parses, where gRPC's
+        # limit is raised for weights (else gRPC's own check is the same, and costs nothing more)
+        limit = (cfg.max_message_bytes, "max_message_bytes") if receive > cfg.max_message_bytes else None
         options = [
-            # the largest of the methods' limits; each method's own is applied as it parses
-            ("grpc.max_receive_message_length", max(cfg.max_message_bytes, publish)),
+            ("grpc.max_receive_message_length", receive),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
             # Clients may ping as often as twice a second while neither side sends data (a

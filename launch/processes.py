@@ -769,7 +769,7 @@ def check_fleet(
             f"{-(-envs // max_envs_per_stream)}"
         )
     # a group's step is one request, of a row per env: the server refused it at the first step
-    per_group = -(-per_stream // groups)
+    per_group = largest_request(envs, num_workers, groups)  # the main workers' (the backfill's apart)
     if 0 < max_batch_size < max(per_group, backfill_envs):
         if backfill_envs > per_group:
             raise ValueError(
