@@ -255,7 +255,7 @@ class _LocalStream(asyncio.Protocol):
             self._handle = store.open_stream(
                 spec.session_id, spec.num_envs, mid_episode=spec.mid_episode, resumes=spec.resumes
             )
-        self._write(frames.encode_state(frames.UP, 0))
+        self._write(frames.encode_up(0, servicer.limits.max_batch_size))
         log.info("local stream %s opened: %d envs of %s", spec.session_id, spec.num_envs, spec.env_name)
 
     def _failed(self, exc: Exception) -> None:

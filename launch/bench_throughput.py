@@ -113,7 +113,6 @@ class ThroughputConfig:
                 self.workers,
                 self.groups,
                 max_envs_per_stream=ServerConfig.max_envs_per_stream,
-                max_batch_size=ServerConfig.max_batch_size,
                 backfill_envs=self.backfill_envs or 0,
             )
         if self.worker_cpus is not None:

@@ -825,7 +825,6 @@ def _rollout(a: argparse.Namespace) -> int:
         a.workers,
         _groups(a),
         max_envs_per_stream=ServerConfig.max_envs_per_stream,
-        max_batch_size=a.max_batch_size,
         backfill_envs=a.backfill_envs,
     )
     policy, weights = _served_policy(a)

@@ -727,8 +727,9 @@ def fleet_groups(groups: int, num_envs: int, num_workers: int) -> int:
 
 
 def largest_request(num_envs: int, num_workers: int, groups: int, backfill_envs: int = 0) -> int:
-    """The most rows one request of such a fleet holds: a group's step, or the backfill worker's
-    (one group of all its envs)."""
+    """The most rows one step of a group of such a fleet holds (the backfill worker's is one
+    group of all its envs): a server whose ``max_batch_size`` is as large takes each group's
+    step in one message, and computes it in one forward pass."""
     per_stream = -(-(num_envs - backfill_envs) // num_workers)
     return max(-(-per_stream // groups), backfill_envs)
 
@@ -739,15 +740,14 @@ def check_fleet(
     groups: int,
     *,
     max_envs_per_stream: int = 0,
-    max_batch_size: int = 0,
     backfill_envs: int = 0,
 ) -> None:
     """Raise ValueError, naming the options, unless ``num_workers`` sim workers can share
     ``num_envs`` envs, less ``backfill_envs`` for a backfill worker, with ``groups`` env groups
-    each, and (``max_envs_per_stream``, ``max_batch_size`` > 0: the limits of the server a
-    command starts itself) each worker's stream, and each group's step, one request, stays
-    within the server's limits. Commands call it before they start anything; :class:`WorkerFleet`
-    checks again."""
+    each, and (``max_envs_per_stream`` > 0: the limit of the server a command starts itself)
+    each worker's stream stays within the server's limit. (A group of more envs than the
+    server's ``max_batch_size`` steps in several messages.) Commands call it before they start
+    anything; :class:`WorkerFleet` checks again."""
     if num_workers < 1:
         raise ValueError(f"workers must be >= 1, got {num_workers}")
     if not 0 <= backfill_envs < num_envs:
@@ -767,21 +767,6 @@ def check_fleet(
             f"envs ({envs}) over workers ({num_workers}) puts {per_stream} envs on a worker's "
             f"stream, and the server takes at most {max_envs_per_stream} per stream: use workers >= "
             f"{-(-envs // max_envs_per_stream)}"
-        )
-    # a group's step is one request, of a row per env: the server refused it at the first step
-    per_group = largest_request(envs, num_workers, groups)  # the main workers' (the backfill's apart)
-    if 0 < max_batch_size < max(per_group, backfill_envs):
-        if backfill_envs > per_group:
-            raise ValueError(
-                f"backfill envs ({backfill_envs}) step as one request of as many rows, and the server "
-                f"takes at most {max_batch_size} rows per forward pass (max_batch_size)"
-            )
-        raise ValueError(
-            f"envs ({envs}) over workers ({num_workers}) x groups ({groups}) puts {per_group} envs in "
-            f"a group, whose step is one request of as many rows, and the server takes at most "
-            f"{max_batch_size} rows per forward pass: use workers >= "
-            f"{-(-envs // (groups * max_batch_size))}, groups >= {-(-per_stream // max_batch_size)} or "
-            f"max_batch_size >= {per_group}"
         )
 
 

@@ -310,7 +310,8 @@ def run_training(
         weight_sync_interval=1 if cfg.sync else cfg.weight_sync_interval,
     )
     t_start = time.monotonic()
-    # a batch for a group's step however many envs it holds (1,024 envs in 2 groups were refused)
+    # a group's step in one forward pass however many envs it holds (past the default batch, its
+    # worker would split it in messages of 256 rows, each a forward pass of its own)
     rows = max(ServerConfig.max_batch_size, largest_request(cfg.envs, cfg.workers, cfg.fleet_groups))
     server_cfg = ServerConfig(port=0, max_batch_size=rows, learner=learner)
     with ServerProcess(policy_spec, server_cfg, log_level=log_level) as server:

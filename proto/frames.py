@@ -15,7 +15,9 @@ little-endian ``u32`` length and a payload whose first byte is its kind:
   numbers among their envs' requests (``u64``, ``StepObservation.obs_index``).
 - ``U`` / ``D`` (to the client): the stream of ``epoch`` (``u32``) is up /
   failed. A ``D`` frame goes on with the failure, UTF-8: its gRPC status name
-  (empty for a failure with none), a newline, the message.
+  (empty for a failure with none), a newline, the message. The local Act
+  socket's ``U`` frame goes on with the most rows an ``O`` frame may hold, the
+  server's ``max_batch_size`` (``u32``); a network process's ends at the epoch.
 - ``A`` (to the client): ``epoch, rows`` (``u32``), ``policy_version``
   (``i64``), the action shape of one row (``u8`` count, ``u32`` each), then the
   actions (``f32``) and log-probabilities (``f32``). Answers come in the order
@@ -67,6 +69,7 @@ running sim worker glibc had raised the threshold: strace showed no mapping call
 CONFIG, OBS, UP, DOWN, ANSWER, HEARTBEAT, STEPPED = b"C", b"O", b"U", b"D", b"A", b"H", b"S"
 _OBS = struct.Struct("<cIII")
 _STATE = struct.Struct("<cI")
+_ROWS = struct.Struct("<I")
 _ANSWER = struct.Struct("<cIIqB")
 
 
@@ -119,6 +122,19 @@ def encode_state(kind: bytes, epoch: int) -> bytes:
 def decode_state(payload: bytes) -> int:
     epoch: int = _STATE.unpack_from(payload)[1]
     return epoch
+
+
+def encode_up(epoch: int, max_rows: int) -> bytes:
+    """A ``U`` frame that says how many rows an ``O`` frame may hold (the local Act socket's)."""
+    return frame(state_payload(UP, epoch) + _ROWS.pack(max_rows))
+
+
+def decode_up_rows(payload: bytes) -> int:
+    """The most rows an ``O`` frame may hold, as a ``U`` frame's payload says; 0: it says none."""
+    if len(payload) < _STATE.size + _ROWS.size:
+        return 0
+    rows: int = _ROWS.unpack_from(payload, _STATE.size)[0]
+    return rows
 
 
 def failure_payload(epoch: int, code_name: str, details: str) -> bytes:

@@ -32,7 +32,13 @@ from edgerl.proto import frames
 from edgerl.proto.settings import check_backoff, check_finite, check_socket_path
 from edgerl.robot_client import errors, netproc
 from edgerl.robot_client.client import ActStream, EdgeClient
-from edgerl.robot_client.keeper import StreamSettings, check_cpus, host_session_id, mid_episode_settings
+from edgerl.robot_client.keeper import (
+    StreamSettings,
+    check_cpus,
+    host_session_id,
+    mid_episode_settings,
+    slice_rows,
+)
 from edgerl.robot_client.security import ClientSecurity, check_target
 from edgerl.sim.envs import make_vector_env
 
@@ -143,10 +149,35 @@ class _Group:
         """Each env's number for its next request (``StepObservation.obs_index``): its steps so
         far, as the group's envs step together; a request sent again on a new stream keeps it."""
 
-    async def send(self, stream: ActStream) -> None:
-        await stream.send(
-            self.ids, self.obs, self.rewards, self.terminated, self.truncated, obs_index=self.obs_index
-        )
+    def messages(self, max_rows: int) -> int:
+        """Messages a step of the group takes: its rows, ``max_rows`` (the server's
+        ``max_batch_size``) at most to a message."""
+        return -(-len(self.ids) // max_rows)
+
+    async def send(self, stream: ActStream, max_rows: int) -> None:
+        """Send the group's step, in :meth:`messages` messages."""
+        for lo in range(0, len(self.ids), max_rows):
+            rows = slice(lo, lo + max_rows)
+            await stream.send(
+                self.ids[rows],
+                self.obs[rows],
+                self.rewards[rows],
+                self.terminated[rows],
+                self.truncated[rows],
+                obs_index=self.obs_index[rows],
+            )
+
+    async def receive(self, stream: ActStream, max_rows: int) -> tuple[np.ndarray, int]:
+        """The answer to the group's step: the actions of its messages' answers, joined, and the
+        policy version of the last."""
+        res = await stream.recv()
+        if len(self.ids) <= max_rows:
+            return res.actions, res.policy_version
+        parts = [res.actions]
+        for _ in range(1, self.messages(max_rows)):
+            res = await stream.recv()
+            parts.append(res.actions)
+        return np.concatenate(parts), res.policy_version
 
     def rows(self) -> frames.ObsRows:
         flags = np.zeros((len(self.ids), 3), np.uint8)
@@ -237,20 +268,22 @@ class SimWorker:
                 async with EdgeClient(cfg.server, timeout_s=cfg.timeout_s, security=cfg.security) as client:
                     if not await client.wait_ready(should_stop=lambda: self._done(should_stop)):
                         break
-                    await client.describe_for(self._obs_shape, cfg.env_name, act_shape=self._act_shape)
+                    info = await client.describe_for(self._obs_shape, cfg.env_name, act_shape=self._act_shape)
+                    # A group of more envs than the server's batch holds steps in several messages.
+                    max_rows = info.max_batch_size or cfg.num_envs  # 0: a server that says none
                     stream = await client.open_stream(
                         session_id=self.session_id,
                         num_envs=cfg.num_envs,
                         obs_shape=self._obs_shape,
                         env_name=cfg.env_name,
-                        max_inflight=cfg.groups,
+                        max_inflight=sum(g.messages(max_rows) for g in self._groups),
                         backfill=cfg.backfill,
                         mid_episode=self.progress.steps > 0,
                         resumes=True,  # every stream starts by sending each group's rows (again)
                     )
                     self._answered = False
                     # Stops promptly even while an answer is pending (e.g. held by backpressure).
-                    await self._unless_stopped(self._pump(stream, should_stop), should_stop)
+                    await self._unless_stopped(self._pump(stream, max_rows, should_stop), should_stop)
                     await stream.close()
                     return self.progress
             except errors.BROKEN_STREAM as exc:
@@ -290,21 +323,20 @@ class SimWorker:
             if not task.done():
                 task.cancel()
 
-    async def _pump(self, stream: ActStream, should_stop: Callable[[], bool]) -> None:
+    async def _pump(self, stream: ActStream, max_rows: int, should_stop: Callable[[], bool]) -> None:
         # The groups are kept in the order of their messages, the oldest first: a new stream sends
         # their rows (again) in the order they were sent on the one before (see run_blocking).
         groups, progress = self._groups, self.progress
         for g in groups:
-            await g.send(stream)
+            await g.send(stream, max_rows)
         while not self._done(should_stop):
             for _ in range(len(groups)):
                 g = groups[0]
-                res = await stream.recv()
+                actions, progress.last_policy_version = await g.receive(stream, max_rows)
                 self._answered = True
-                progress.last_policy_version = res.policy_version
-                g.step(res.actions, progress)
+                g.step(actions, progress)
                 groups.append(groups.pop(0))
-                await g.send(stream)
+                await g.send(stream, max_rows)
 
     def run_blocking(
         self, should_stop: Callable[[], bool] = lambda: False, report: Callable[[], None] = lambda: None
@@ -561,16 +593,22 @@ class _LocalEnd:
         self._frames: deque[bytes] = deque()
         self._sent: deque[float] = deque()  # when each unanswered group's rows went out
         self._connected_at = 0.0
+        self._max_rows = 0  # the most rows a frame may hold, as the server's U frame says; 0: any
 
     def send(self, epoch: int, rows: frames.ObsRows) -> None:
+        """Send a group's rows: in frames of at most the server's ``max_batch_size`` rows, as its
+        ``U`` frame says, whose answers (an ``A`` frame each) the worker joins."""
         if self._sock is None or not self._up or epoch != self._epoch:
             return  # for a stream that is gone: never answered, as with a network process
+        n = len(rows.env_ids)
+        step = self._max_rows or n
         try:
-            self._sock.sendall(frames.encode_obs(epoch, rows))
+            for lo in range(0, n, step):
+                part = rows if n <= step else slice_rows(rows, lo, lo + step)
+                self._sock.sendall(frames.encode_obs(epoch, part))
+                self._sent.append(time.monotonic())
         except OSError as exc:
             self._lost(f"the local socket {self._path} failed: {exc}")
-            return
-        self._sent.append(time.monotonic())
 
     def receive(self, timeout_s: float) -> bytes:
         """The next frame, or b"" if none came within ``timeout_s``."""
@@ -627,6 +665,7 @@ class _LocalEnd:
                 self._frames.append(payload)
             elif kind == frames.UP:
                 self._up, self._backoff = True, self._settings.backoff_initial_s
+                self._max_rows = frames.decode_up_rows(payload)
                 self._frames.append(frames.state_payload(frames.UP, self._epoch))
             elif kind == frames.DOWN:
                 _, code, details = frames.decode_failure(payload)

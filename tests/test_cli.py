@@ -163,20 +163,24 @@ def test_more_envs_per_stream_than_the_server_takes_are_refused_before_anything_
     assert "edge server on" not in out.stdout
 
 
-@pytest.mark.parametrize("command", [["rollout"], ["bench", "throughput"]])
-def test_a_group_of_more_envs_than_a_batch_takes_is_refused_before_anything_starts(
-    command: list[str],
+@pytest.mark.parametrize("transport", ["grpc", "local"])
+def test_a_rollout_whose_groups_are_larger_than_the_servers_batch_runs(
+    transport: str, tmp_path: Path
 ) -> None:
-    """A group's step is one request of a row per env, and the server these commands start takes
-    256 rows per forward pass: ``edgerl rollout --envs 1024`` (2 groups of 512) built its envs and
-    started its server, and its worker was refused at the first step."""
-    out = _run_refused(*command, "--envs", "1024", "--workers", "1")
-    assert out.stderr.splitlines()[-1] == (
-        "edgerl: error: envs (1024) over workers (1) x groups (2) puts 512 envs in a group, whose step "
-        "is one request of as many rows, and the server takes at most 256 rows per forward pass: use "
-        "workers >= 2, groups >= 4 or max_batch_size >= 512"
-    )
-    assert "edge server on" not in out.stdout and "repeat 1/" not in out.stderr
+    """A group's step was one request of a row per env, and a server takes at most
+    ``--max-batch-size`` rows per forward pass: ``edgerl rollout --envs 1024`` (2 groups of 512)
+    built its envs and started its server, and its worker was refused at the first step. Now a
+    group larger than a batch steps in several messages (here 2 groups of 8 envs, 4 rows to a
+    batch)."""
+    path = tmp_path / "rollout.json"
+    args = "rollout --env InvertedPendulum-v5 --envs 16 --workers 1 --max-batch-size 4 --steps 1600"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _edgerl(f"{args} --transport {transport}", path, tmpdir=tmp)
+    summary = json.loads(path.read_text())
+    server = summary["server"]
+    assert summary["env_steps"] >= 1600 and (server["rejected_invalid"], server["max_batch_rows"]) == (0, 4)
+    assert server["requests"] >= 2 * summary["env_steps"] // 8  # two messages a group's step
 
 
 @pytest.mark.parametrize(

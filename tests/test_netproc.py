@@ -58,6 +58,13 @@ def test_answer_frames_round_trip_actions_and_chunks(row_shape: tuple[int, ...])
     np.testing.assert_array_equal(answer.log_probs, log_probs)
 
 
+def test_an_up_frame_says_how_many_rows_a_frame_may_hold_where_the_local_socket_sends_it() -> None:
+    (local,) = frames.split_frames(bytearray(frames.encode_up(0, 4096)))
+    (network,) = frames.split_frames(bytearray(frames.encode_state(frames.UP, 3)))
+    assert (local[:1], frames.decode_state(local), frames.decode_up_rows(local)) == (frames.UP, 0, 4096)
+    assert (frames.decode_state(network), frames.decode_up_rows(network)) == (3, 0)  # 0: it says none
+
+
 def test_split_frames_keeps_a_partial_frame_for_later() -> None:
     data = frames.encode_state(frames.UP, 1) + frames.encode_state(frames.DOWN, 2)
     buffer = bytearray()

@@ -189,6 +189,52 @@ def test_every_supported_task_runs_through_the_server(env_name: str) -> None:
     assert run(main()) == 40
 
 
+@pytest.mark.parametrize("transport", ["stream", "network process", "local socket"])
+def test_a_group_of_more_envs_than_the_servers_batch_steps_in_several_messages(
+    transport: str, tmp_path: Path
+) -> None:
+    """9 Hopper envs in groups of 4 and 5, and a server whose batch holds 4 rows: the group of 5
+    went as one message, which the server refused (``step.env_ids: need 1 to 4 env ids
+    (max_batch_size), got 5``) on the worker's stream and over the local socket. Now it goes in
+    messages of at most 4 rows, and each env steps on its own answers: the episodes are those
+    the same envs play against a server whose batch holds a whole group (the policy acts on each
+    row's observation)."""
+
+    def run_worker(max_batch_size: int) -> tuple[list[float], list[int], int, int]:
+        async def main() -> tuple[list[float], list[int], int, int]:
+            policy = EchoPolicy(11, 3)
+            path = str(tmp_path / f"act{max_batch_size}.sock") if transport == "local socket" else ""
+            async with running_server(policy, max_batch_size=max_batch_size, local_socket=path) as server:
+                worker = SimWorker(
+                    SimWorkerConfig(
+                        server="" if path else f"127.0.0.1:{server.port}",
+                        local_socket=path,
+                        network_process=transport == "network process",
+                        env_name="Hopper-v5",
+                        num_envs=9,
+                        max_steps=3600,
+                    )
+                )
+                try:
+                    progress = await worker.run()
+                finally:
+                    worker.close()
+                served = server.servicer.stats()
+            return (
+                progress.episode_returns,
+                progress.episode_lengths,
+                served.max_batch_rows,
+                served.rejected_invalid,
+            )
+
+        return run(main())  # type: ignore[return-value]
+
+    returns, lengths, largest, refused = run_worker(4)
+    whole_returns, whole_lengths, whole_largest, _ = run_worker(256)
+    assert (refused, largest) == (0, 4) and whole_largest >= 5
+    assert len(returns) >= 20 and returns == whole_returns and lengths == whole_lengths
+
+
 def test_a_worker_process_keeps_grpc_threads_from_preempting_its_env_stepping() -> None:
     def policies(pid: int) -> dict[int, int]:
         out = {}
@@ -248,17 +294,11 @@ def test_a_fleet_with_a_backfill_worker_is_checked(
         check_fleet(envs, workers, 2, max_envs_per_stream=per_stream, backfill_envs=backfill)
 
 
-def test_a_fleet_whose_requests_a_batch_cannot_hold_is_checked() -> None:
-    """Each group's step is one request of a row per env, the backfill worker's all its envs."""
+def test_a_fleets_largest_step_is_a_group_or_the_backfill_workers() -> None:
+    """What ``edgerl train`` sizes its server's batch to: each group's step in one forward pass."""
     assert largest_request(1024, 1, 2) == 512 and largest_request(1025, 2, 2) == 257
     assert largest_request(600, 2, 2, backfill_envs=300) == 300
-    check_fleet(1024, 1, 4, max_batch_size=256)  # 4 groups of 256
-    check_fleet(1024, 2, 2, max_batch_size=256)
-    check_fleet(1100, 2, 2, max_batch_size=256, backfill_envs=100)  # groups of 250 and the backfill's 100
-    with pytest.raises(ValueError, match=r"puts 257 envs in a group, .* use workers >= 3, groups >= 3 or"):
-        check_fleet(1025, 2, 2, max_batch_size=256)  # 513 and 512 envs on the two streams
-    with pytest.raises(ValueError, match=r"^backfill envs \(300\) step as one request of as many rows"):
-        check_fleet(600, 2, 2, max_batch_size=256, backfill_envs=300)
+    assert largest_request(1100, 2, 2, backfill_envs=100) == 250
 
 
 @contextlib.contextmanager
