@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgerl.proto.settings import GRPC_INT_MAX
+
 #: The largest policy version: versions travel as signed 64-bit integers on the local Act
 #: socket and network processes' frames and in the trainer's arrays, so a server refuses a
 #: publish of a larger one (as a backend built with one).
@@ -52,14 +54,20 @@ def check_weights(weights: Mapping[str, np.ndarray], expected: Mapping[str, tupl
             )
 
 
+def weights_limit(weights_values: int) -> int:
+    """The most bytes a publish may carry (``ServerLimits.max_weights_bytes``): ``weights_values``
+    values as FLOAT64 (8 bytes each; the trainer's own dtype is at most that) and 1 MiB for the
+    names and tensor headers."""
+    return 8 * weights_values + (1 << 20)
+
+
 def publish_limit(weights_values: int, max_message_bytes: int) -> int:
-    """The largest ``PublishWeights`` request a server takes: ``weights_values`` values as
-    FLOAT64 (8 bytes each; the trainer's own dtype is at most that) and 1 MiB for the names and
-    tensor headers, or ``max_message_bytes`` where that is more; at most gRPC's limit, a C int.
+    """The largest message a server with a learner receives: a ``PublishWeights`` request of
+    :func:`weights_limit`, or ``max_message_bytes`` where that is more; at most gRPC's limit.
     A trainer's ``mlp-large`` weights (4.4 M float32 values, 17.5 MB as sent) went over the
     default ``max_message_bytes`` (4 MiB), and ``edgerl train --policy mlp-large`` failed at its
-    first publish."""
-    return min(max(8 * weights_values + (1 << 20), max_message_bytes), 2**31 - 1)
+    first publish. Weights past gRPC's limit go in parts (``PublishWeightsStream``)."""
+    return min(max(weights_limit(weights_values), max_message_bytes), GRPC_INT_MAX)
 
 
 class PolicyBackend(abc.ABC):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
 import numpy as np
 
-from edgerl.edge_server.backend import MAX_VERSION, PolicyBackend
+from edgerl.edge_server.backend import MAX_VERSION, PolicyBackend, weights_limit
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.parsing import Unparsed
 from edgerl.edge_server.service import answers_own_faults, drop_until_quiet, own_fault, write_message
@@ -29,13 +30,94 @@ def decode_weights(msg: Mapping[str, pb.Tensor]) -> dict[str, np.ndarray]:
     Raises:
         tensors.TensorError: a tensor is malformed (the message names it).
     """
-    out: dict[str, np.ndarray] = {}
-    for name, t in msg.items():
-        arr = tensors.decode(t, f"tensors[{name!r}]")
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise tensors.TensorError(f"tensors[{name!r}]", "contains NaN or Inf")
-        out[name] = arr
+    out = {name: tensors.decode(t, f"tensors[{name!r}]") for name, t in msg.items()}
+    check_finite(out, "tensors")
     return out
+
+
+def check_finite(weights: Mapping[str, np.ndarray], field: str) -> None:
+    """Raise :class:`~edgerl.proto.tensors.TensorError` naming the first tensor of ``weights``
+    (the map ``field`` of the request) that holds NaN or Inf."""
+    for name, arr in weights.items():
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise tensors.TensorError(f"{field}[{name!r}]", "contains NaN or Inf")
+
+
+class PublishRefusedError(Exception):
+    """A publish refused with ``code``, and the message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def layout_buffers(layout: Mapping[str, pb.Tensor], max_bytes: int) -> dict[str, np.ndarray]:
+    """Empty arrays for the tensors a ``WeightsPart.layout`` declares.
+
+    Raises:
+        PublishRefusedError: a tensor's dtype or shape is malformed, it holds data (INVALID_ARGUMENT), or
+            the tensors hold more than ``max_bytes`` in all (RESOURCE_EXHAUSTED).
+    """
+    shapes = {}
+    total = 0
+    for name, t in layout.items():
+        field = f"layout[{name!r}]"
+        try:
+            dtype, shape = tensors.dtype_and_shape(t, field)
+        except tensors.TensorError as exc:
+            raise PublishRefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if t.data:
+            raise PublishRefusedError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field}.data: a layout holds no data ({len(t.data):,} bytes); they follow in parts",
+            )
+        shapes[name] = dtype, shape
+        total += math.prod(shape) * dtype.itemsize
+    if total > max_bytes:
+        raise PublishRefusedError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"layout: {total:,} bytes of weights, more than max_weights_bytes ({max_bytes:,})",
+        )
+    return {name: np.empty(shape, dtype) for name, (dtype, shape) in shapes.items()}
+
+
+async def read_parts(parts: AsyncIterator[pb.WeightsPart | Unparsed], buffers: dict[str, np.ndarray]) -> None:
+    """Fill ``buffers`` (see :func:`layout_buffers`) with the data of the ``WeightsPart`` messages
+    after the first, until the client half-closes.
+
+    Raises:
+        PublishRefusedError: a part does not parse, names a tensor outside the layout, or holds more bytes
+            than its tensor has left, or a tensor's bytes did not all come.
+    """
+    views = {name: arr.reshape(-1).view(np.uint8) for name, arr in buffers.items()}
+    filled = dict.fromkeys(buffers, 0)
+    i = 0
+    async for part in parts:
+        i += 1
+        if isinstance(part, Unparsed):
+            raise PublishRefusedError(part.code, f"part {i}: {part.message}")
+        view = views.get(part.name)
+        if view is None:
+            raise PublishRefusedError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"part {i}.name: {part.name!r} is not in the layout"
+            )
+        data = part.data
+        at = filled[part.name]
+        if at + len(data) > len(view):
+            raise PublishRefusedError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"part {i}.data: {at + len(data):,} bytes of {part.name!r}, whose layout holds {len(view):,}",
+            )
+        view[at : at + len(data)] = np.frombuffer(data, np.uint8)
+        filled[part.name] = at + len(data)
+    short = [name for name, at in filled.items() if at < len(views[name])]
+    if short:
+        name = short[0]
+        raise PublishRefusedError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"layout[{name!r}]: {filled[name]:,} of its {len(views[name]):,} bytes came before the "
+            f"stream ended ({len(short)} tensor(s) short)",
+        )
 
 
 class _OvertakenError(Exception):
@@ -62,6 +144,9 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         self.backend = backend
         self.weight_sync_interval = store.config.weight_sync_interval
         self.max_batch_bytes = max_message_bytes // 2
+        self.max_weights_bytes = weights_limit(backend.weights_values)
+        """The most bytes a publish may carry (``ServerLimits.max_weights_bytes``); set again
+        when the server starts (a replicated backend knows its weights once its replicas did)."""
         self.last_swap_us = 0
 
     async def StreamTransitions(  # noqa: N802 - gRPC method name
@@ -124,27 +209,81 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 await drop_until_quiet(requests)  # so that an asyncio trainer reads the refusal
                 return
 
+    def _new_version(
+        self, version: int
+    ) -> tuple[pb.PublishWeightsResponse | None, PublishRefusedError | None]:
+        """A publish of ``version``: refused (a version past 2**63 - 1, or not newer than the
+        served one), skipped (the answer, by ``weight_sync_interval``), or neither."""
+        served = self.backend.version
+        if version > MAX_VERSION:
+            invalid = f"version: at most 2**63 - 1 ({MAX_VERSION}), got {version}"
+            return None, PublishRefusedError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
+        if version <= served:
+            return None, PublishRefusedError(grpc.StatusCode.FAILED_PRECONDITION, _not_newer(version, served))
+        if version - served < self.weight_sync_interval:
+            return pb.PublishWeightsResponse(policy_version=served, applied=False), None
+        return None, None
+
     @answers_own_faults
     async def PublishWeights(  # noqa: N802
         self, request: pb.PublishWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishWeightsResponse:
         start = time.perf_counter_ns()
-        backend = self.backend
-        served = backend.version
-        if request.version > MAX_VERSION:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"version: at most 2**63 - 1 ({MAX_VERSION}), got {request.version}",
-            )
-        version = request.version
-        if version <= served:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _not_newer(version, served))
-        if version - served < self.weight_sync_interval:
-            return pb.PublishWeightsResponse(policy_version=served, applied=False)
+        skipped, refused = self._new_version(request.version)
+        if refused is not None:
+            await context.abort(refused.code, str(refused))
+        if skipped is not None:
+            return skipped
         try:
             weights = decode_weights(request.tensors)
         except tensors.TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await self._swap_in(weights, request.version, start, context)
+
+    @answers_own_faults
+    async def PublishWeightsStream(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.WeightsPart | Unparsed], context: grpc.aio.ServicerContext
+    ) -> pb.PublishWeightsResponse:
+        start = time.perf_counter_ns()
+        parts = aiter(request_iterator)
+        try:
+            first = await anext(parts, None)
+            if first is None:
+                raise PublishRefusedError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "part 0: the stream ended before it (the version and layout)",
+                )
+            if isinstance(first, Unparsed):
+                raise PublishRefusedError(first.code, f"part 0: {first.message}")
+            if first.name or first.data:
+                raise PublishRefusedError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "part 0: holds the version and layout, no data (it names tensor "
+                    f"{first.name!r} and holds {len(first.data):,} bytes)",
+                )
+            version = first.version
+            skipped, refused = self._new_version(version)
+            if refused is not None:
+                raise refused
+            if skipped is not None:
+                await drop_until_quiet(parts)  # data the skipped version does not need
+                return skipped
+            buffers = layout_buffers(first.layout, self.max_weights_bytes)
+            await read_parts(parts, buffers)
+            check_finite(buffers, "layout")
+        except PublishRefusedError as exc:
+            await drop_until_quiet(parts)  # so that the trainer reads the refusal
+            await context.abort(exc.code, str(exc))
+        except tensors.TensorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await self._swap_in(buffers, version, start, context)
+
+    async def _swap_in(
+        self, weights: dict[str, np.ndarray], version: int, start_ns: int, context: grpc.aio.ServicerContext
+    ) -> pb.PublishWeightsResponse:
+        """Swap ``weights`` in as ``version`` between two batches; the answer to a publish that
+        began at ``start_ns`` (``time.perf_counter_ns``)."""
+        backend = self.backend
 
         def swap() -> None:
             """The version check again, on the inference thread, where swaps run one at a time:
@@ -165,5 +304,5 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         self.store.published()
-        self.last_swap_us = (time.perf_counter_ns() - start) // 1000
+        self.last_swap_us = (time.perf_counter_ns() - start_ns) // 1000
         return pb.PublishWeightsResponse(policy_version=version, applied=True, swap_us=self.last_swap_us)

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from edgerl.edge_server.auth import TokenAuthInterceptor, load_tokens, server_credentials
-from edgerl.edge_server.backend import PolicyBackend, publish_limit
+from edgerl.edge_server.backend import PolicyBackend, publish_limit, weights_limit
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
@@ -58,7 +58,8 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     """Largest message accepted or sent (bytes); beyond it RESOURCE_EXHAUSTED. A trainer's
     ``PublishWeights`` may be larger: it takes the served weights as FLOAT64
-    (:func:`~edgerl.edge_server.backend.publish_limit`)."""
+    (:func:`~edgerl.edge_server.backend.publish_limit`), and in parts
+    (``PublishWeightsStream``) past gRPC's 2 GiB."""
     max_envs_per_stream: int = 1024
     """Most envs one stream may declare."""
     max_streams: int = 1024
@@ -226,11 +227,11 @@ class EdgeServer:
             )
         await self.batcher.run_between_batches(self.backend.warmup)  # on the inference thread
         self.batcher.start()
-        receive = (
-            publish_limit(self.backend.weights_values, cfg.max_message_bytes)
-            if self.learner
-            else cfg.max_message_bytes
-        )
+        receive = cfg.max_message_bytes
+        if self.learner:  # (a replicated backend knows its weights once its replicas started)
+            receive = publish_limit(self.backend.weights_values, cfg.max_message_bytes)
+            self.learner.max_weights_bytes = weights_limit(self.backend.weights_values)
+            self.servicer.limits.max_weights_bytes = self.learner.max_weights_bytes
         # every method but PublishWeights checks max_message_bytes as it parses, where gRPC's
         # limit is raised for weights (else gRPC's own check is the same, and costs nothing more)
         limit = (cfg.max_message_bytes, "max_message_bytes") if receive > cfg.max_message_bytes else None
@@ -260,7 +261,8 @@ class EdgeServer:
                 pb_grpc.add_LearnerServicer_to_server,
                 self.learner,
                 limit=limit,
-                limit_of={"PublishWeights": None},  # gRPC's, the largest of them
+                # gRPC's, the largest of them (and a publish in parts counts its layout's bytes)
+                limit_of={"PublishWeights": None, "PublishWeightsStream": None},
             )
             services.append(LEARNER_SERVICE_NAME)
         add_servicer(

@@ -68,12 +68,11 @@ def float32(array: np.ndarray) -> pb.Tensor:
     return pb.Tensor(dtype=pb.FLOAT32, shape=array.shape, data=array.tobytes())
 
 
-def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
-    """A read-only array viewing ``msg.data``.
+def dtype_and_shape(msg: pb.Tensor, field: str = "tensor") -> tuple[np.dtype[np.generic], tuple[int, ...]]:
+    """The numpy dtype and the shape ``msg`` declares.
 
     Raises:
-        TensorError: unknown dtype, negative dimension, or a byte count that
-            does not match ``prod(shape) * itemsize``.
+        TensorError: unknown dtype, or a negative dimension.
     """
     try:
         dtype = _TO_NUMPY[msg.dtype]
@@ -82,6 +81,17 @@ def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
     shape = tuple(msg.shape)
     if shape and min(shape) < 0:
         raise TensorError(f"{field}.shape", f"negative dimension in {list(shape)}")
+    return dtype, shape
+
+
+def decode(msg: pb.Tensor, field: str = "tensor") -> np.ndarray:
+    """A read-only array viewing ``msg.data``.
+
+    Raises:
+        TensorError: unknown dtype, negative dimension, or a byte count that
+            does not match ``prod(shape) * itemsize``.
+    """
+    dtype, shape = dtype_and_shape(msg, field)
     data = msg.data  # (each access of a bytes field makes a new object)
     expected = math.prod(shape) * dtype.itemsize  # (Python ints: no overflow, and no numpy call)
     if len(data) != expected:

@@ -101,6 +101,9 @@ class ServerInfo:
     """Synchronous mode's actions per env per version (``ServerLimits.sync_env_steps``); 0: none."""
     max_streams: int = 0
     """Most streams the server keeps open at once (``ServerLimits.max_streams``); 0: not said."""
+    max_weights_bytes: int = 0
+    """Most bytes of tensor data a publish may carry (``ServerLimits.max_weights_bytes``); 0: a
+    server without a learner (or one that does not say)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,6 +478,7 @@ class EdgeClient:
             action_chunk=max(1, r.action_chunk),
             sync_env_steps=lim.sync_env_steps,
             max_streams=lim.max_streams,
+            max_weights_bytes=lim.max_weights_bytes,
         )
 
     async def describe_for(

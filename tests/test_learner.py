@@ -31,7 +31,7 @@ from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
 from edgerl.sim.envs import env_spec
-from edgerl.trainer.feed import TransitionFeed, publish_weights, weights_request
+from edgerl.trainer.feed import TransitionFeed, publish_weights, weights_parts, weights_request
 from edgerl.trainer.segments import segment_key
 from tests.helpers import (
     FAULT_MESSAGE,
@@ -775,6 +775,192 @@ def test_weights_past_max_message_bytes_are_published_and_every_other_request_ke
     with caplog.at_level(logging.WARNING):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def _part(**fields: Any) -> pb.WeightsPart:
+    return pb.WeightsPart(**fields)
+
+
+def _layout_of(parts: list[pb.WeightsPart], name: str, **fields: Any) -> list[pb.WeightsPart]:
+    """``parts`` with the layout's tensor ``name`` set to a Tensor of ``fields``."""
+    first = pb.WeightsPart()
+    first.CopyFrom(parts[0])
+    first.layout[name].CopyFrom(pb.Tensor(**fields))
+    return [first, *parts[1:]]
+
+
+def _nan_in(parts: list[pb.WeightsPart], name: str) -> list[pb.WeightsPart]:
+    at = next(i for i, p in enumerate(parts) if p.name == name)
+    data = np.frombuffer(parts[at].data, np.float32).copy()
+    data[3] = np.nan
+    return [*parts[:at], _part(name=name, data=data.tobytes()), *parts[at + 1 :]]
+
+
+def _without(parts: list[pb.WeightsPart], name: str) -> list[pb.WeightsPart]:
+    first = pb.WeightsPart()
+    first.CopyFrom(parts[0])
+    del first.layout[name]
+    return [first, *(p for p in parts[1:] if p.name != name)]
+
+
+BAD_PUBLISHES: dict[str, tuple[Any, grpc.StatusCode, str]] = {
+    "no message": (
+        lambda p: [],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"part 0: the stream ended before it \(the ",
+    ),
+    "data in the first": (
+        lambda p: [_part(version=1, name="critic.4.bias", data=b"1234"), *p[1:]],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"part 0: holds the version and layout, no data \(it names tensor 'critic.4.bias' and holds 4 "
+        r"bytes\)$",
+    ),
+    "the served version": (
+        lambda p: [_part(version=0), *p[1:]],
+        grpc.StatusCode.FAILED_PRECONDITION,
+        r"version: must be greater than the served version 0, got 0$",
+    ),
+    "a layout past the limit": (  # refused before the server allocates a byte of it
+        lambda p: _layout_of(p, "huge", dtype=pb.FLOAT32, shape=[10**6, 10**4]),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        r"layout: 40,000,\d{3},\d{3} bytes of weights, more than max_weights_bytes \(1,\d{3},\d{3}\)$",
+    ),
+    "data in the layout": (
+        lambda p: _layout_of(p, "critic.4.bias", dtype=pb.FLOAT32, shape=[1], data=b"1234"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"layout\['critic.4.bias'\].data: a layout holds no data \(4 bytes\); they follow in parts$",
+    ),
+    "an unknown dtype": (
+        lambda p: _layout_of(p, "critic.4.bias", dtype=99, shape=[1]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"layout\['critic.4.bias'\].dtype: unsupported dtype 99$",
+    ),
+    "a part of no tensor": (
+        lambda p: [*p, _part(name="critic.9.bias", data=b"1234")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"part \d+.name: 'critic.9.bias' is not in the layout$",
+    ),
+    "a part past its tensor": (
+        lambda p: [*p, _part(name="critic.4.bias", data=b"1234")],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"part \d+.data: 8 bytes of 'critic.4.bias', whose layout holds 4$",
+    ),
+    "a part missing": (
+        lambda p: p[:-1],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"layout\['critic.4.bias'\]: 0 of its 4 bytes came before the stream ended \(1 tensor\(s\) short\)$",
+    ),
+    "NaN": (
+        lambda p: _nan_in(p, "critic.2.weight"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"layout\['critic.2.weight'\]: contains NaN or Inf$",
+    ),
+    "a tensor missing": (
+        lambda p: _without(p, "critic.2.bias"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"weights: missing \['critic.2.bias'\], unknown \[\]$",
+    ),
+}
+
+
+def test_weights_published_in_parts_are_swapped_in_exactly_as_in_one_message() -> None:
+    """gRPC's messages stop at 2 GiB, a 0.5 B-parameter model as float32: a trainer's weights past
+    it could not be published. ``PublishWeightsStream`` takes them in parts (here of 1000 bytes:
+    a 16 KiB layer in 17), as float32 and as FLOAT64, and ``publish_weights`` sends weights of more
+    than ``part_bytes`` that way. ``Describe`` says how much a publish may carry."""
+
+    async def main() -> None:
+        backend = _backend()
+        async with running_server(backend, learner=TransitionConfig()) as server:
+            state = _backend(seed=5).policy.state_dict()
+            as_float64 = {k: v.double() for k, v in state.items()}
+            parts = list(weights_parts(state, 1, part_bytes=1000))
+            assert len(parts) == 1 + sum(-(-v.numel() * v.element_size() // 1000) for v in state.values())
+            async with grpc.aio.insecure_channel(server.address) as channel, EdgeClient(server.address) as c:
+                assert (await c.describe()).max_weights_bytes == 8 * backend.weights_values + (1 << 20)
+                stub = pb_grpc.LearnerStub(channel)
+                answer = await stub.PublishWeightsStream(iter(parts))
+                assert (answer.policy_version, answer.applied) == (1, True)
+                assert all(torch.equal(backend.policy.state_dict()[k], v) for k, v in state.items())
+                other = _backend(seed=6).policy.state_dict()
+                sync_stub = pb_grpc.LearnerStub(grpc.insecure_channel(server.address))
+                answer = await _in_thread(
+                    lambda: publish_weights(
+                        sync_stub, {k: v.double() for k, v in other.items()}, 2, part_bytes=1000
+                    )
+                )
+                assert (answer.policy_version, answer.applied) == (2, True)
+                assert all(torch.equal(backend.policy.state_dict()[k], v) for k, v in other.items())
+                answer = await stub.PublishWeightsStream(weights_parts(as_float64, 3, part_bytes=1 << 20))
+                assert answer.applied and backend.version == 3  # the whole of each tensor in one part
+
+    run(main())
+
+
+@pytest.mark.parametrize("case", list(BAD_PUBLISHES))
+def test_a_publish_in_parts_that_is_wrong_is_refused_naming_the_part_and_the_served_weights_stay(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spoil, code, message = BAD_PUBLISHES[case]
+
+    async def main() -> None:
+        backend = _backend()
+        async with running_server(backend, learner=TransitionConfig()) as server:
+            served = {k: v.clone() for k, v in backend.policy.state_dict().items()}
+            state = _backend(seed=5).policy.state_dict()
+            parts = list(weights_parts(state, 1, part_bytes=1000))
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.PublishWeightsStream(iter(spoil(parts)), timeout=10)
+                assert info.value.code() == code
+                assert re.match(message, info.value.details() or ""), info.value.details()
+                assert backend.version == 0
+                assert all(torch.equal(backend.policy.state_dict()[k], v) for k, v in served.items())
+                answer = await act_once(server.address, np.zeros((1, 4), np.float32))
+                assert answer.policy_version == 0  # the server serves on
+                assert (
+                    await stub.PublishWeightsStream(iter(parts), timeout=10)
+                ).applied  # and takes a good one
+
+    with caplog.at_level(logging.WARNING):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_publish_in_parts_skipped_by_the_sync_interval_is_answered_without_its_data() -> None:
+    async def main() -> None:
+        backend = _backend()
+        async with running_server(backend, learner=TransitionConfig(weight_sync_interval=2)) as server:
+            state = _backend(seed=5).policy.state_dict()
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = pb_grpc.LearnerStub(channel)
+                skipped = await stub.PublishWeightsStream(
+                    weights_parts(state, 1, part_bytes=1000), timeout=10
+                )
+                assert (skipped.policy_version, skipped.applied, backend.version) == (0, False, 0)
+                taken = await stub.PublishWeightsStream(weights_parts(state, 2, part_bytes=1000), timeout=10)
+                assert (taken.policy_version, taken.applied, backend.version) == (2, True, 2)
+
+    run(main())
+
+
+def test_weights_parts_checks_what_it_is_given_before_grpc_takes_its_messages() -> None:
+    with pytest.raises(ValueError, match="part_bytes must be >= 1, got 0"):
+        weights_parts({"w": np.zeros(3)}, 1, part_bytes=0)
+    with pytest.raises(ValueError, match="has no wire form"):
+        weights_parts({"w": np.zeros(3, np.complex64)}, 1)
+    parts = list(weights_parts({"s": np.float64(2.5), "e": np.zeros((0, 3)), "b": np.ones(5, bool)}, 7, 2))
+    assert [p.name for p in parts[1:]] == ["s"] * 4 + ["b"] * 3  # 2 bytes at most to a part; "e" has none
+    assert all(len(p.data) <= 2 for p in parts[1:]) and b"".join(p.data for p in parts[5:]) == b"\x01" * 5
+    assert np.frombuffer(b"".join(p.data for p in parts[1:5]), "<f8")[0] == 2.5
+    assert sorted((k, list(t.shape), t.dtype) for k, t in parts[0].layout.items()) == sorted(
+        [
+            ("s", [], pb.FLOAT64),
+            ("e", [0, 3], pb.FLOAT64),
+            ("b", [5], pb.BOOL),
+        ]
+    )
 
 
 def test_the_publish_limit_fits_the_largest_preset_as_float64_and_stops_at_grpcs() -> None:

@@ -99,6 +99,8 @@ def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
         stub = pb_grpc.LearnerStub(channel)
         with pytest.raises(errors.PermissionDeniedError, match="robot-1"):
             publish_weights(stub, {}, 1, security=robot)
+        with pytest.raises(errors.PermissionDeniedError, match="robot-1"):  # in parts
+            publish_weights(stub, {"w": np.zeros(300)}, 1, security=robot, part_bytes=1000)
         with pytest.raises(grpc.RpcError) as info:
             next(
                 iter(stub.StreamTransitions(iter([pb.TransitionAck()]), metadata=robot.metadata(), timeout=3))
@@ -123,7 +125,7 @@ def test_tokens_missing_wrong_robot_and_trainer(pki: DevPki) -> None:
         run(ready_without_a_token())
         assert srv.server is not None and srv.server.auth is not None
         assert srv.server.auth.rejected_unauthenticated == 4
-        assert srv.server.auth.rejected_permission == 2
+        assert srv.server.auth.rejected_permission == 3
 
 
 def test_new_tokens_never_read_as_an_option() -> None:

@@ -413,6 +413,7 @@ REQUEST_TYPES = {
     "edgerl.v1.EdgePolicy/Stats": "edgerl.v1.StatsRequest",
     "edgerl.v1.Learner/StreamTransitions": "edgerl.v1.TransitionAck",
     "edgerl.v1.Learner/PublishWeights": "edgerl.v1.PublishWeightsRequest",
+    "edgerl.v1.Learner/PublishWeightsStream": "edgerl.v1.WeightsPart",
     "grpc.health.v1.Health/Check": "grpc.health.v1.HealthCheckRequest",
     "grpc.health.v1.Health/Watch": "grpc.health.v1.HealthCheckRequest",
     "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": (
@@ -434,6 +435,8 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
     stream and the service go on serving."""
     streamed_requests = method.endswith(("/Act", "/StreamTransitions", "/ServerReflectionInfo"))
     expected = f"request: not a valid {REQUEST_TYPES[method]} message (Wire format was corrupt)"
+    if method.endswith("/PublishWeightsStream"):
+        expected = f"part 0: {expected}"  # the publish's messages are numbered
 
     async def main() -> None:
         learner = TransitionConfig(segment_steps=4)
@@ -448,6 +451,11 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
                         call = ch.stream_stream(path)(timeout=10)
                         await call.write(CUT_SHORT)
                         await call.read()
+                    elif method.endswith("/PublishWeightsStream"):
+                        publish = ch.stream_unary(path)(timeout=10)
+                        await publish.write(CUT_SHORT)
+                        await publish.done_writing()
+                        await publish
                     elif method.endswith("/Watch"):
                         await ch.unary_stream(path)(CUT_SHORT, timeout=10).read()
                     else:

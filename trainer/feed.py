@@ -14,7 +14,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -222,29 +222,83 @@ def learner_channel(
     return channel
 
 
-def weights_request(state: dict[str, Any], version: int) -> pb.PublishWeightsRequest:
-    """The PublishWeights request that carries a torch ``state_dict`` (or numpy arrays) as ``version``."""
-    msg = pb.PublishWeightsRequest(version=version)
+PART_BYTES = 1 << 20
+"""Bytes of tensor data in one message of a publish in parts (``PublishWeightsStream``): weights
+of more go in parts, of at most this many."""
+
+
+def _arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A torch ``state_dict`` (or numpy arrays) as C-order, little-endian numpy arrays (0-d
+    shapes kept); a CPU tensor's array shares its memory."""
+    out = {}
     for name, value in state.items():
         arr = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
-        msg.tensors[name].CopyFrom(tensors.encode(np.array(arr, order="C")))  # keeps 0-d shapes
+        out[name] = np.asarray(arr, arr.dtype.newbyteorder("<"), order="C")  # (ascontiguousarray: >= 1-d)
+    return out
+
+
+def weights_request(state: Mapping[str, Any], version: int) -> pb.PublishWeightsRequest:
+    """The PublishWeights request that carries a torch ``state_dict`` (or numpy arrays) as ``version``."""
+    msg = pb.PublishWeightsRequest(version=version)
+    for name, arr in _arrays(state).items():
+        tensors.encode(arr, msg.tensors[name])
     return msg
+
+
+def weights_parts(
+    state: Mapping[str, Any], version: int, part_bytes: int = PART_BYTES
+) -> Iterator[pb.WeightsPart]:
+    """The ``PublishWeightsStream`` messages that carry a torch ``state_dict`` (or numpy arrays) as
+    ``version``: the layout, then each tensor's bytes, ``part_bytes`` at most to a message. Made
+    as they are sent, one at a time: the weights are not copied whole.
+
+    Raises:
+        ValueError: ``part_bytes`` is under 1, or a tensor's dtype has no wire form (here, not
+            inside gRPC's thread that takes the messages).
+    """
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be >= 1, got {part_bytes}")
+    arrays = _arrays(state)
+    first = pb.WeightsPart(version=version)
+    for name, arr in arrays.items():
+        layout = first.layout[name]
+        layout.dtype = tensors.from_numpy_dtype(arr.dtype)  # type: ignore[assignment,unused-ignore]
+        layout.shape[:] = arr.shape
+
+    def parts() -> Iterator[pb.WeightsPart]:
+        yield first
+        for name, arr in arrays.items():
+            raw = arr.reshape(-1).view(np.uint8)
+            for lo in range(0, len(raw), part_bytes):
+                yield pb.WeightsPart(name=name, data=raw[lo : lo + part_bytes].tobytes())
+
+    return parts()
 
 
 def publish_weights(
     stub: pb_grpc.LearnerStub,
-    state: dict[str, Any],
+    state: Mapping[str, Any],
     version: int,
     timeout_s: float = 30.0,
     security: ClientSecurity | None = None,
+    *,
+    part_bytes: int = PART_BYTES,
 ) -> pb.PublishWeightsResponse:
-    """Send a torch ``state_dict`` to the edge server as ``version``."""
+    """Send a torch ``state_dict`` to the edge server as ``version``: in one ``PublishWeights``
+    request where it holds at most ``part_bytes`` of data, else in parts
+    (``PublishWeightsStream``; gRPC's messages stop at 2 GiB, a 0.5 B-parameter model as
+    float32)."""
+    metadata = (security or ClientSecurity()).metadata()
+    arrays = _arrays(state)
     try:
-        resp: pb.PublishWeightsResponse = stub.PublishWeights(
-            weights_request(state, version),
-            timeout=timeout_s,
-            metadata=(security or ClientSecurity()).metadata(),
-        )
+        if sum(arr.nbytes for arr in arrays.values()) <= part_bytes:
+            resp: pb.PublishWeightsResponse = stub.PublishWeights(
+                weights_request(arrays, version), timeout=timeout_s, metadata=metadata
+            )
+        else:
+            resp = stub.PublishWeightsStream(
+                weights_parts(arrays, version, part_bytes), timeout=timeout_s, metadata=metadata
+            )
     except grpc.RpcError as exc:
         raise errors.from_grpc(exc) from None
     return resp

@@ -127,7 +127,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream", "sync_env_steps", "max_streams")
+    __slots__ = ("max_batch_size", "max_delay_us", "max_queue_rows", "max_message_bytes", "max_envs_per_stream", "sync_env_steps", "max_streams", "max_weights_bytes")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_US_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class ServerLimits(_message.Message):
     MAX_ENVS_PER_STREAM_FIELD_NUMBER: _ClassVar[int]
     SYNC_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_delay_us: int
     max_queue_rows: int
@@ -142,7 +143,8 @@ class ServerLimits(_message.Message):
     max_envs_per_stream: int
     sync_env_steps: int
     max_streams: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ..., sync_env_steps: _Optional[int] = ..., max_streams: _Optional[int] = ...) -> None: ...
+    max_weights_bytes: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_delay_us: _Optional[int] = ..., max_queue_rows: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_envs_per_stream: _Optional[int] = ..., sync_env_steps: _Optional[int] = ..., max_streams: _Optional[int] = ..., max_weights_bytes: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("observation_space", "action_space", "policy_version", "limits", "backend", "env_name", "server_version", "action_chunk")
@@ -284,6 +286,25 @@ class PublishWeightsRequest(_message.Message):
     version: int
     tensors: _containers.MessageMap[str, Tensor]
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class WeightsPart(_message.Message):
+    __slots__ = ("version", "layout", "name", "data")
+    class LayoutEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    layout: _containers.MessageMap[str, Tensor]
+    name: str
+    data: bytes
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Mapping[str, Tensor]] = ..., name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PublishWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "applied", "swap_us")

@@ -256,6 +256,11 @@ class LearnerStub:
                 request_serializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.SerializeToString,
                 response_deserializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
                 _registered_method=True)
+        self.PublishWeightsStream = channel.stream_unary(
+                '/edgerl.v1.Learner/PublishWeightsStream',
+                request_serializer=edgerl_dot_v1_dot_edge__pb2.WeightsPart.SerializeToString,
+                response_deserializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -281,6 +286,15 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishWeightsStream(self, request_iterator, context):
+        """The same, the weights sent in parts (WeightsPart): for weights past gRPC's
+        2 GiB message limit, or a trainer that would not hold a copy of them all
+        in one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -292,6 +306,11 @@ def add_LearnerServicer_to_server(servicer, server):
             'PublishWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishWeights,
                     request_deserializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.SerializeToString,
+            ),
+            'PublishWeightsStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishWeightsStream,
+                    request_deserializer=edgerl_dot_v1_dot_edge__pb2.WeightsPart.FromString,
                     response_serializer=edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.SerializeToString,
             ),
     }
@@ -350,6 +369,33 @@ class Learner:
             target,
             '/edgerl.v1.Learner/PublishWeights',
             edgerl_dot_v1_dot_edge__pb2.PublishWeightsRequest.SerializeToString,
+            edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeightsStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/edgerl.v1.Learner/PublishWeightsStream',
+            edgerl_dot_v1_dot_edge__pb2.WeightsPart.SerializeToString,
             edgerl_dot_v1_dot_edge__pb2.PublishWeightsResponse.FromString,
             options,
             channel_credentials,
