@@ -55,8 +55,9 @@ def layout_buffers(layout: Mapping[str, pb.Tensor], max_bytes: int) -> dict[str,
     """Empty arrays for the tensors a ``WeightsPart.layout`` declares.
 
     Raises:
-        PublishRefusedError: a tensor's dtype or shape is malformed, it holds data (INVALID_ARGUMENT), or
-            the tensors hold more than ``max_bytes`` in all (RESOURCE_EXHAUSTED).
+        PublishRefusedError: a tensor's dtype or shape is malformed, or it holds data
+            (INVALID_ARGUMENT); the tensors hold more than ``max_bytes`` in all
+            (RESOURCE_EXHAUSTED). Nothing is allocated then.
     """
     shapes = {}
     total = 0
@@ -86,8 +87,8 @@ async def read_parts(parts: AsyncIterator[pb.WeightsPart | Unparsed], buffers: d
     after the first, until the client half-closes.
 
     Raises:
-        PublishRefusedError: a part does not parse, names a tensor outside the layout, or holds more bytes
-            than its tensor has left, or a tensor's bytes did not all come.
+        PublishRefusedError: a part does not parse, names a tensor outside the layout or holds
+            more bytes than its tensor has left; a tensor's bytes did not all come.
     """
     views = {name: arr.reshape(-1).view(np.uint8) for name, arr in buffers.items()}
     filled = dict.fromkeys(buffers, 0)

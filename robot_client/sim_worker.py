@@ -575,7 +575,7 @@ class _LocalEnd:
 
     It gives :meth:`SimWorker.run_blocking` the frames a network process would: ``U`` with a
     new epoch for every connection the server accepted, ``D`` for every one that failed (or
-    could not be made: UNAVAILABLE, retried with backoff), ``A`` for each group's actions.
+    could not be made: UNAVAILABLE, retried with backoff), ``A`` for each frame's actions.
     An answer, or the server's acceptance of a new connection, later than ``timeout_s`` fails
     the stream with DEADLINE_EXCEEDED.
     """
@@ -591,7 +591,7 @@ class _LocalEnd:
         self._backoff = settings.backoff_initial_s
         self._in = bytearray()
         self._frames: deque[bytes] = deque()
-        self._sent: deque[float] = deque()  # when each unanswered group's rows went out
+        self._sent: deque[float] = deque()  # when each unanswered frame of rows went out
         self._connected_at = 0.0
         self._max_rows = 0  # the most rows a frame may hold, as the server's U frame says; 0: any
 
