@@ -180,7 +180,9 @@ def test_weight_publish_swaps_the_running_engine(
         )
     channel = learner_channel(server.address)
     try:
-        resp = publish_weights(pb_grpc.LearnerStub(channel), model.state_dict(), 1)
+        # in parts of 64 KiB (PublishWeightsStream), as a model's of more than 1 MiB go
+        assert sum(v.numel() * v.element_size() for v in model.state_dict().values()) > 4 * 64 * 1024
+        resp = publish_weights(pb_grpc.LearnerStub(channel), model.state_dict(), 1, part_bytes=64 * 1024)
         assert resp.applied and resp.policy_version == 1
         obs = _obs(16, 2)
         answer = asyncio.run(_act(server.address, obs))
