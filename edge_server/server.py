@@ -69,12 +69,14 @@ class ServerConfig:
     closes the old ones, say) would otherwise grow the server until the system kills it, and
     every client with it. A hello beyond the limit gets UNAVAILABLE, which every edgerl client
     retries with backoff, unless it takes over a session that has one stream open: a client that
-    reconnects before the server saw its old stream end is let in."""
+    reconnects before the server saw its old stream end is let in. As many gRPC Act streams that
+    have sent no message yet may wait at once (~26 KB each); one beyond them gets UNAVAILABLE at
+    its start."""
     hello_timeout_s: float = 10.0
     """How long an Act stream may go without its hello, from its start (seconds); then it is
     refused with DEADLINE_EXCEEDED. edgerl's clients send the hello as they open a stream; a
-    call that never sends one is not counted by ``max_streams`` and would hold its handler for
-    good. 0: no limit."""
+    call that never sends one is not among the open streams ``max_streams`` counts (it is among
+    those waiting, which it also bounds) and would hold its handler for good. 0: no limit."""
     grace_s: float = 5.0
     """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
     keepalive_s: float = 30.0

@@ -78,6 +78,8 @@ class _Opened(_Reads):
     handles: list[StreamHandle] = field(default_factory=list)
     slots: StreamSlots | None = None
     """The stream's batcher slots, once its hello came and was let in."""
+    hello_awaited: bool = True
+    """No hello has come yet (counted in ``EdgePolicyServicer.streams_awaiting_hello``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +287,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self.rejected_invalid = 0
         self.rejected_streams = 0
         self.active_streams = 0
+        self.streams_awaiting_hello = 0
+        """gRPC Act streams whose first message has not come: at most ``max_streams`` at once."""
         self._session_streams: dict[str, int] = {}
         """Streams past their hello, by session, over gRPC and the local socket."""
         self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
@@ -328,6 +332,17 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     async def Act(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ActRequest | Unparsed], context: grpc.aio.ServicerContext
     ) -> None:
+        waiting, limit = self.streams_awaiting_hello, self.limits.max_streams
+        if waiting >= limit:  # each holds ~26 KB until its hello or hello_timeout_s: a flood
+            self.rejected_streams += 1
+            message = (
+                f"max_streams: {waiting} stream(s) have sent no hello yet, the server waits for at "
+                f"most {limit} at once; retry when one has ended"
+            )
+            log.info("stream refused: %s", message)
+            await drop_until_quiet(request_iterator)  # so that the client reads the refusal
+            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+        self.streams_awaiting_hello += 1
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
         opened = _Opened()
         loop = asyncio.get_running_loop()
@@ -363,6 +378,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         finally:
             if no_hello is not None:
                 no_hello.cancel()
+            self._hello_came(opened)  # or never will
             self.active_streams -= 1
             reader.cancel()
             if opened.slots is not None:  # its queued requests too: no one reads their answers
@@ -374,6 +390,13 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             if store is not None:
                 for handle in opened.handles:
                     store.close_stream(handle)
+
+    def _hello_came(self, opened: _Opened) -> None:
+        """The stream's first message came (its hello, or what is refused in its place), or it
+        ended: it no longer counts among the streams that have sent no hello."""
+        if opened.hello_awaited:
+            opened.hello_awaited = False
+            self.streams_awaiting_hello -= 1
 
     def hello_overdue(self, missing: str = "hello: no StreamHello") -> str:
         """The refusal of a stream without its hello ``hello_timeout_s`` after its start (counted
@@ -409,6 +432,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     raise BatcherClosedError("server is shutting down")
                 kind = req.WhichOneof("kind")
                 if spec is None:
+                    self._hello_came(opened)
                     if kind != "hello":
                         raise InvalidRequestError(
                             grpc.StatusCode.FAILED_PRECONDITION,

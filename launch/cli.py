@@ -322,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-streams",
         type=WIRE_COUNT,
         default=_DEFAULT_SERVER.max_streams,
-        help="most Act streams open at once (gRPC and --local-socket together); a stream beyond it "
-        "is refused with UNAVAILABLE, which clients retry with backoff",
+        help="most Act streams open at once (gRPC and --local-socket together), and most gRPC Act "
+        "streams waiting for their hello; a stream beyond either is refused with UNAVAILABLE, which "
+        "clients retry with backoff",
     )
     p.add_argument(
         "--hello-timeout-s",

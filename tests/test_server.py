@@ -674,6 +674,45 @@ def test_a_stream_without_its_hello_is_refused_after_hello_timeout_s_and_the_oth
     run(main())
 
 
+def test_streams_that_have_sent_no_hello_are_bounded_by_max_streams() -> None:
+    """A call that has not sent its hello held ~26 KB of the server for up to hello_timeout_s
+    (10 s), and nothing bounded how many: a client that opened them faster than they timed out
+    grew the server without limit. Now at most ``max_streams`` wait at once; another call is
+    refused with UNAVAILABLE naming the limit (edgerl's clients retry it with backoff), and one
+    is let in again as soon as a waiting one sends its hello or ends. Open streams are served on."""
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(OBS, ACT), max_streams=3, hello_timeout_s=30.0) as server:
+            address = f"127.0.0.1:{server.port}"
+            async with EdgeClient(address) as client, grpc.aio.insecure_channel(address) as ch:
+                healthy = await _healthy_stream(client, "healthy")
+                silent = [pb_grpc.EdgePolicyStub(ch).Act(timeout=30) for _ in range(3)]
+                assert await waited(lambda: server.servicer.streams_awaiting_hello == 3, 5.0)
+                with pytest.raises(errors.ServerUnavailableError) as refused:
+                    await _round_trip(await _healthy_stream(client, "fourth"))
+                assert refused.value.details == (
+                    "max_streams: 3 stream(s) have sent no hello yet, the server waits for at most 3 at "
+                    "once; retry when one has ended"
+                )
+                assert (await client.stats()).rejected_streams == 1
+                await _round_trip(healthy)  # an open stream is served on
+                hello = pb.StreamHello(session_id="late", num_envs=1, obs_shape=[OBS])
+                await silent[0].write(pb.ActRequest(hello=hello))  # now an open stream
+                silent[1].cancel()  # gone
+                assert await waited(lambda: server.servicer.streams_awaiting_hello == 1, 5.0)
+                await silent[0].write(_step(0, [0], np.ones((1, OBS), np.float32)))
+                assert (await silent[0].read()).seq == 0
+                fifth = await _healthy_stream(client, "fifth")
+                await _round_trip(fifth)  # let in: 1 waits, 3 are open
+                for stream in (fifth, healthy):
+                    await stream.close()
+                for call in silent:
+                    call.cancel()
+            assert await waited(lambda: server.servicer.streams_awaiting_hello == 0, 5.0)
+
+    run(main())
+
+
 @pytest.mark.parametrize("where", ["check_step", "TransitionStore.record"])
 def test_a_fault_of_the_server_on_one_stream_ends_it_with_internal_and_the_others_go_on(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
