@@ -145,9 +145,6 @@ class LearnerServicer(pb_grpc.LearnerServicer):
         self.backend = backend
         self.weight_sync_interval = store.config.weight_sync_interval
         self.max_batch_bytes = max_message_bytes // 2
-        self.max_weights_bytes = weights_limit(backend.weights_values)
-        """The most bytes a publish may carry (``ServerLimits.max_weights_bytes``); set again
-        when the server starts (a replicated backend knows its weights once its replicas did)."""
         self.last_swap_us = 0
 
     async def StreamTransitions(  # noqa: N802 - gRPC method name
@@ -210,33 +207,34 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                 await drop_until_quiet(requests)  # so that an asyncio trainer reads the refusal
                 return
 
-    def _new_version(
-        self, version: int
-    ) -> tuple[pb.PublishWeightsResponse | None, PublishRefusedError | None]:
-        """A publish of ``version``: refused (a version past 2**63 - 1, or not newer than the
-        served one), skipped (the answer, by ``weight_sync_interval``), or neither."""
+    def _skipped(self, version: int) -> pb.PublishWeightsResponse | None:
+        """The answer to a publish of ``version`` that ``weight_sync_interval`` skips, or None.
+
+        Raises:
+            PublishRefusedError: a version past 2**63 - 1, or not newer than the served one.
+        """
         served = self.backend.version
         if version > MAX_VERSION:
             invalid = f"version: at most 2**63 - 1 ({MAX_VERSION}), got {version}"
-            return None, PublishRefusedError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
+            raise PublishRefusedError(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         if version <= served:
-            return None, PublishRefusedError(grpc.StatusCode.FAILED_PRECONDITION, _not_newer(version, served))
+            raise PublishRefusedError(grpc.StatusCode.FAILED_PRECONDITION, _not_newer(version, served))
         if version - served < self.weight_sync_interval:
-            return pb.PublishWeightsResponse(policy_version=served, applied=False), None
-        return None, None
+            return pb.PublishWeightsResponse(policy_version=served, applied=False)
+        return None
 
     @answers_own_faults
     async def PublishWeights(  # noqa: N802
         self, request: pb.PublishWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.PublishWeightsResponse:
         start = time.perf_counter_ns()
-        skipped, refused = self._new_version(request.version)
-        if refused is not None:
-            await context.abort(refused.code, str(refused))
-        if skipped is not None:
-            return skipped
         try:
+            skipped = self._skipped(request.version)
+            if skipped is not None:
+                return skipped
             weights = decode_weights(request.tensors)
+        except PublishRefusedError as exc:
+            await context.abort(exc.code, str(exc))
         except tensors.TensorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return await self._swap_in(weights, request.version, start, context)
@@ -263,13 +261,11 @@ class LearnerServicer(pb_grpc.LearnerServicer):
                     f"{first.name!r} and holds {len(first.data):,} bytes)",
                 )
             version = first.version
-            skipped, refused = self._new_version(version)
-            if refused is not None:
-                raise refused
+            skipped = self._skipped(version)
             if skipped is not None:
                 await drop_until_quiet(parts)  # data the skipped version does not need
                 return skipped
-            buffers = layout_buffers(first.layout, self.max_weights_bytes)
+            buffers = layout_buffers(first.layout, weights_limit(self.backend.weights_values))
             await read_parts(parts, buffers)
             check_finite(buffers, "layout")
         except PublishRefusedError as exc:

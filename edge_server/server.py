@@ -232,8 +232,7 @@ class EdgeServer:
         receive = cfg.max_message_bytes
         if self.learner:  # (a replicated backend knows its weights once its replicas started)
             receive = publish_limit(self.backend.weights_values, cfg.max_message_bytes)
-            self.learner.max_weights_bytes = weights_limit(self.backend.weights_values)
-            self.servicer.limits.max_weights_bytes = self.learner.max_weights_bytes
+            self.servicer.limits.max_weights_bytes = weights_limit(self.backend.weights_values)
         # every method but PublishWeights checks max_message_bytes as it parses, where gRPC's
         # limit is raised for weights (else gRPC's own check is the same, and costs nothing more)
         limit = (cfg.max_message_bytes, "max_message_bytes") if receive > cfg.max_message_bytes else None

@@ -21,7 +21,7 @@ import os
 import random
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -306,10 +306,7 @@ class StreamKeeper(Generic[Part]):
             parts = [await live.get()]
             while join and not live.empty():
                 parts.append(live.get_nowait())
-            rows = self.combine(parts)
-            total = len(rows.env_ids)
-            for start in range(0, total, max_rows):
-                some = rows if total <= max_rows else slice_rows(rows, start, start + max_rows)
+            for some in split_rows(self.combine(parts), max_rows):
                 n = len(some.env_ids)
                 await stream.send(
                     some.env_ids.tolist(),
@@ -327,9 +324,15 @@ class StreamKeeper(Generic[Part]):
 _ROW_FIELDS = ("env_ids", "obs", "rewards", "flags", "obs_index")
 
 
-def slice_rows(rows: ObsRows, start: int, stop: int) -> ObsRows:
-    """Rows ``start`` to ``stop`` of ``rows``."""
-    return ObsRows(*(getattr(rows, f)[start:stop] for f in _ROW_FIELDS))
+def split_rows(rows: ObsRows, max_rows: int) -> Iterator[ObsRows]:
+    """``rows`` in parts of at most ``max_rows`` rows, in order (``rows`` itself where it holds
+    no more): a message or frame each, for a server that takes ``max_rows`` per batch."""
+    total = len(rows.env_ids)
+    if total <= max_rows:
+        yield rows
+        return
+    for start in range(0, total, max_rows):
+        yield ObsRows(*(getattr(rows, f)[start : start + max_rows] for f in _ROW_FIELDS))
 
 
 def concat_rows(parts: list[ObsRows]) -> ObsRows:

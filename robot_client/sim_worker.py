@@ -37,7 +37,7 @@ from edgerl.robot_client.keeper import (
     check_cpus,
     host_session_id,
     mid_episode_settings,
-    slice_rows,
+    split_rows,
 )
 from edgerl.robot_client.security import ClientSecurity, check_target
 from edgerl.sim.envs import make_vector_env
@@ -600,11 +600,8 @@ class _LocalEnd:
         ``U`` frame says, whose answers (an ``A`` frame each) the worker joins."""
         if self._sock is None or not self._up or epoch != self._epoch:
             return  # for a stream that is gone: never answered, as with a network process
-        n = len(rows.env_ids)
-        step = self._max_rows or n
         try:
-            for lo in range(0, n, step):
-                part = rows if n <= step else slice_rows(rows, lo, lo + step)
+            for part in split_rows(rows, self._max_rows or len(rows.env_ids)):
                 self._sock.sendall(frames.encode_obs(epoch, part))
                 self._sent.append(time.monotonic())
         except OSError as exc:
