@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -276,3 +277,258 @@ def test_a_restarted_server_is_joined_mid_episode(client: Path, monkeypatch: pyt
     run.assert_every_step_kept(150, joined=True)
     reconnects = run.reconnects()
     assert len(reconnects) >= 2 and all(" after 14 " in line for line in reconnects), reconnects
+
+
+# -- the watchdog mode (--watchdog) ---------------------------------------------------------
+
+TICK = re.compile(r"^tick (\d+) (policy|fallback|estop) version (\S+) age_ms (\S+) at_ms (\S+) action (.*)$")
+SUMMARY = re.compile(
+    r"^OK ticks=(\d+) policy_ticks=(\d+) fallbacks=(\d+) late_actions=(\d+) "
+    r"loop_deadline_misses=(\d+) estops=(\d+) version=(\d+)$"
+)
+
+
+@dataclass
+class Ticks:
+    """The ticks a run of the watchdog mode printed, in order."""
+
+    index: list[int]
+    kind: list[str]
+    at_ms: np.ndarray
+    action: np.ndarray  # [ticks, act_dim]
+    version: list[str]
+
+    def runs_of(self, kind: str) -> list[tuple[int, int]]:
+        """(first position, length) of each run of consecutive ticks of ``kind``."""
+        runs: list[tuple[int, int]] = []
+        for pos, k in enumerate(self.kind):
+            if k != kind:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((pos, 1))
+        return runs
+
+
+def _ticks(out: str) -> Ticks:
+    matches = [m for m in map(TICK.match, out.splitlines()) if m]
+    assert matches, out
+    return Ticks(
+        [int(m.group(1)) for m in matches],
+        [m.group(2) for m in matches],
+        np.array([float(m.group(5)) for m in matches]),
+        np.array([m.group(6).split() for m in matches], float),
+        [m.group(3) for m in matches],
+    )
+
+
+def _summary(out: str) -> dict[str, int]:
+    m = SUMMARY.match(out.splitlines()[-1])
+    assert m, out[-2000:]
+    keys = ("ticks", "policy_ticks", "fallbacks", "late_actions", "loop_deadline_misses", "estops", "version")
+    return dict(zip(keys, map(int, m.groups()), strict=True))
+
+
+Target = Callable[[int, np.ndarray], np.ndarray]
+
+
+def _check_rate_limited(ticks: Ticks, target: Target, max_delta: float) -> None:
+    """Each tick's action is its target (given the tick's position and the action before)
+    clamped to [-1, 1] and to within ``max_delta`` of the action before (zero before the first)."""
+    prev = np.zeros(ticks.action.shape[1])
+    for pos, action in enumerate(ticks.action):
+        want = np.clip(target(pos, prev), np.maximum(prev - max_delta, -1), np.minimum(prev + max_delta, 1))
+        np.testing.assert_allclose(action, want, atol=2e-5, err_msg=f"tick {ticks.index[pos]}")
+        prev = action
+
+
+def _echo_of_the_tick_before(ticks: Ticks) -> Target:
+    """The target of a policy tick under the echo policy: the answer to the observation of the
+    tick before (action k = obs k = sin(0.1 * tick + k)); a fallback holds the action before."""
+
+    def target(pos: int, prev: np.ndarray) -> np.ndarray:
+        if ticks.kind[pos] != "policy":
+            return prev
+        echo: np.ndarray = np.sin(0.1 * (ticks.index[pos] - 1) + np.arange(2))
+        return echo
+
+    return target
+
+
+def _check_rows(segments: list[pb.Segment], ticks: Ticks) -> int:
+    """The rows the server keeps are the observations of some of the ticks, in order, each with
+    what the robot earned until the next row's tick: the rewards of the ticks that ran between
+    (tick i's action earns i + 1), flagged fallback where one of them fell back. Returns how
+    many rows there were."""
+    assert segments
+    obs = np.concatenate([tensors.decode(seg.obs) for seg in segments])
+    rewards = [r for seg in segments for r in seg.rewards]
+    fallback = [f for seg in segments for f in seg.fallback]
+    episode = segments[0].episode
+    assert all(seg.env_id == 0 and seg.episode == episode for seg in segments)
+    ran = dict(zip(ticks.index, ticks.kind, strict=True))
+    signals = np.sin(0.1 * np.arange(max(ran) + 1)[:, None] + np.arange(3))
+    read_at = [int(np.argmin(np.abs(signals - row).max(1))) for row in obs]
+    np.testing.assert_allclose(obs, signals[read_at], atol=1e-5)
+    assert all(a < b for a, b in itertools.pairwise(read_at)), read_at
+    for j, (n, after) in enumerate(itertools.pairwise(read_at)):
+        between = [i for i in range(n + 1, after + 1) if i in ran]
+        assert rewards[j] == sum(i + 1 for i in between), (j, n, after)
+        assert fallback[j] == any(ran[i] != "policy" for i in between), (j, n, after)
+    return len(read_at)
+
+
+def test_the_watchdog_checks_pass(client: Path) -> None:
+    """watchdog.h's own checks (robot_client/cpp/watchdog_test.cc) on a clock they set."""
+    out = subprocess.run([str(BUILD / "edgerl_watchdog_test")], check=False, capture_output=True, text=True)
+    assert out.returncode == 0 and re.fullmatch(r"OK \d+ checks\n", out.stdout), out.stdout + out.stderr
+
+
+def test_the_watchdog_loop_applies_each_answer_at_the_tick_after_its_observation(client: Path) -> None:
+    """``--watchdog``: the loop ticks at 50 Hz and applies, at each tick, the answer to the
+    observation of the tick before, clamped and rate-limited, or holds the action before where
+    none came in time. The server keeps a row per request, each with the rewards of the ticks
+    until the next one."""
+    with ServerThread(EchoPolicy(3, 2), learner=TransitionConfig(segment_steps=8)) as srv:
+        out = _run(client, "--server", srv.address, "--steps", "100", "--hz", "50", "--watchdog")
+        dropped, segments = srv.lost_and_segments()
+    assert out.returncode == 0, out.stdout + out.stderr
+    ticks, summary = _ticks(out.stdout), _summary(out.stdout)
+    assert (
+        len(ticks.index) + summary["loop_deadline_misses"]
+        == summary["ticks"] + summary["loop_deadline_misses"]
+        == 100
+    )
+    assert all(a < b for a, b in itertools.pairwise(ticks.index))
+    policy = ticks.kind.count("policy")
+    assert (summary["policy_ticks"], summary["fallbacks"]) == (policy, len(ticks.kind) - policy)
+    assert policy >= 80, out.stdout  # an echo on loopback answers in about a millisecond
+    assert {v for v, k in zip(ticks.version, ticks.kind, strict=True) if k == "policy"} == {"0"}
+    # The echo's action on [-1, 1]: rate-limited to 25 % of the range (0.5) per tick.
+    _check_rate_limited(ticks, _echo_of_the_tick_before(ticks), 0.5)
+    assert dropped == 0
+    assert _check_rows(segments, ticks) >= 75
+
+
+def test_the_watchdog_holds_on_late_answers_and_latches_an_estop(client: Path) -> None:
+    """The server turns slower than the 20 ms deadline midway: its answers are dropped as late,
+    the loop holds the last action, and after ``--estop-after`` fallbacks in a row it latches an
+    e-stop, ramping to the stop action at ``--max-delta`` per tick. Once the server is fast
+    again, the e-stop stays: nothing but a reset ends it."""
+    policy = EchoPolicy(3, 2)
+    args = ("--steps", "150", "--hz", "50", "--watchdog", "--estop-after", "10", "--max-delta", "0.1")
+    with ServerThread(policy, learner=TransitionConfig(segment_steps=8)) as srv:
+        cmd = [str(client), "--server", srv.address, *args]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            lines = [_line_at_tick(proc.stdout, 40)]
+            policy.delay_s = 0.04  # twice the deadline
+            lines.append(_line_at_tick(proc.stdout, 80))
+            policy.delay_s = 0.0
+            out, err = proc.communicate(timeout=60)
+        dropped, segments = srv.lost_and_segments()
+    out = "".join(lines) + out
+    assert proc.returncode == 0, out + err
+    ticks, summary = _ticks(out), _summary(out)
+    assert summary["estops"] == 1 and summary["late_actions"] >= 5, summary
+    first = ticks.kind.index("estop")
+    assert ticks.index[first] >= 40 and set(ticks.kind[first:]) == {"estop"}  # latched to the end
+    assert ticks.index[-1] - 80 >= 40  # 40 ticks and more after the server was fast again
+    assert ticks.kind[first - 9 : first] == ["fallback"] * 9 and ticks.kind[first - 10] == "policy"
+    assert ticks.kind[:40].count("policy") >= 30, out
+
+    def target(pos: int, prev: np.ndarray) -> np.ndarray:  # the e-stop ramps to zero
+        return np.zeros(2) if ticks.kind[pos] == "estop" else _echo_of_the_tick_before(ticks)(pos, prev)
+
+    _check_rate_limited(ticks, target, 0.1)
+    assert np.all(ticks.action[-1] == 0)
+    assert dropped == 0 and _check_rows(segments, ticks) >= 40
+
+
+def _line_at_tick(stdout: Any, tick: int) -> str:
+    """The lines the client printed until the one of tick ``tick`` or later, read as they come."""
+    seen = []
+    for line in stdout:
+        seen.append(line)
+        m = TICK.match(line)
+        if m and int(m.group(1)) >= tick:
+            return "".join(seen)
+    raise AssertionError("".join(seen))
+
+
+def test_the_watchdog_loop_ticks_on_through_an_outage_and_resumes(
+    client: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client's connection goes silent midway. The loop never waits for it: it ticks on
+    at 50 Hz on fallbacks while the network thread finds the answer overdue and opens a new
+    stream, which resumes the session; policy actions come back, and the server keeps every
+    row, each with the rewards of all the ticks until the next (those of the outage too)."""
+
+    def go_silent(srv: ServerThread, link: Link) -> None:
+        time.sleep(1.0)
+        srv.in_loop(link.go_silent)
+
+    args = ("--steps", "150", "--hz", "50", "--watchdog", "--answer-timeout-s", "0.3", "--estop-after", "0")
+    run = _through_link(client, monkeypatch, go_silent, *args)
+    assert run.returncode == 0, run.out + run.err
+    assert run.reconnects() == ["reconnect 1 after 4 no answer within 0.3 s"], run.out
+    ticks = _ticks(run.out)
+    assert np.diff(ticks.at_ms).max() < 200, ticks.at_ms  # no tick waited for the network
+    outage = max(n for _, n in ticks.runs_of("fallback"))
+    assert outage >= 10, ticks.kind  # 0.3 s and more of fallbacks: 15 ticks
+    assert ticks.kind[-30:].count("policy") >= 20, ticks.kind
+    _check_rate_limited(ticks, _echo_of_the_tick_before(ticks), 0.5)
+    assert run.dropped == 0 and _check_rows(run.segments, ticks) >= 100
+    tracker = EpisodeTracker()
+    assemble(run.segments, None, tracker)
+    assert tracker.cut == 0
+    assert len(run.hellos) == 2 and run.hellos[1] == (True, True), run.hellos
+    assert {b - a for a, b in itertools.pairwise(run.numbers)} <= {0, 1}, run.numbers
+
+
+def test_the_watchdog_stops_safely_when_the_server_is_gone(client: Path) -> None:
+    """The server goes away for good: the network thread retries for ``--reconnect-s``, the
+    loop ticking on meanwhile; then the watchdog latches an e-stop, the loop ramps to the stop
+    action, and the run ends there with the stream's status."""
+    args = ("--steps", "500", "--hz", "50", "--watchdog", "--reconnect-s", "0.5", "--max-delta", "0.1")
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        cmd = [str(client), "--server", srv.address, *args]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            seen = _line_at_tick(proc.stdout, 20)
+            srv.kill()
+            out, err = proc.communicate(timeout=60)
+    out = seen + out
+    assert proc.returncode == 1 and out.splitlines()[-1].startswith("ERROR 14 "), out + err
+    ended = [line for line in out.splitlines() if line.startswith("estop the stream ended: 14 ")]
+    assert len(ended) == 1, out
+    ticks = _ticks(out)
+    first = ticks.kind.index("estop")
+    assert set(ticks.kind[first:]) == {"estop"} and np.all(ticks.action[-1] == 0)
+    assert ticks.index[-1] < 200  # it ended once stopped, not at --steps
+    assert np.diff(ticks.at_ms).max() < 200, ticks.at_ms  # the retries held no tick
+    assert ticks.at_ms[first] - ticks.at_ms[ticks.kind.index("fallback", 20)] >= 400  # 0.5 s of retries
+
+    def target(pos: int, prev: np.ndarray) -> np.ndarray:
+        return np.zeros(2) if ticks.kind[pos] == "estop" else _echo_of_the_tick_before(ticks)(pos, prev)
+
+    _check_rate_limited(ticks, target, 0.1)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["--watchdog"], "--watchdog needs --hz > 0 (the control rate)"),
+        (["--hz", "50", "--deadline-ms", "5"],
+         "--deadline-ms is an option of --watchdog, which is not given"),
+        (["--hz", "50", "--watchdog", "--fallback", "brake"], "--fallback must be hold or zero, got 'brake'"),
+        (["--hz", "50", "--watchdog", "--deadline-ms", "0"], "--deadline-ms must be > 0"),
+        (["--hz", "50", "--watchdog", "--estop-after", "-1"],
+         "--estop-after must be a number in [0, 2147483647], got -1"),
+    ],
+)  # fmt: skip
+def test_a_bad_watchdog_option_is_refused_naming_it(client: Path, args: list[str], error: str) -> None:
+    out = _run(client, "--server", "127.0.0.1:1", *args)
+    assert out.returncode == 2 and out.stderr == f"edgerl_cpp_client: {error}\n", out.stderr
+    assert out.stdout == ""

@@ -5,6 +5,8 @@
 //   edgerl_cpp_client --server HOST:PORT [--steps N] [--hz HZ] [--session ID]
 //                     [--answer-timeout-s S] [--reconnect-s S]
 //                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
+//                     [--watchdog [--deadline-ms MS] [--fallback hold|zero]
+//                                 [--estop-after N] [--max-delta D]]
 //
 // Each step sends one StepObservation (env 0) whose observation is a deterministic test
 // signal, obs[i] = sin(0.1 * step + i), and whose reward is what the previous step's action
@@ -13,8 +15,9 @@
 // line: "step <n> version <v> obs <...> action <...> queue_wait_us <us>". The last line is
 // "OK steps=<n> version=<v>"; any failure prints "ERROR <code> <message>" and exits 1.
 //
-// The loop waits for each answer: a controller that must act at every tick whatever the
-// network does runs a watchdog beside the stream, as edgerl's robot host does.
+// The loop waits for each answer. With --watchdog it does not: a control loop ticks at --hz
+// behind a safety watchdog (watchdog.h) while a thread of its own talks to the server, as
+// edgerl's robot host does (see RunWatchdog below).
 //
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
 // connection) or an answer is overdue (a link that died without closing its connection), the
@@ -25,16 +28,20 @@
 // not come goes again, numbered as before (StepObservation.obs_index, the step), so the
 // server loses no step of the episode and completes each with its own reward.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -44,6 +51,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "edgerl/v1/edge.grpc.pb.h"
+#include "watchdog.h"
 
 namespace {
 
@@ -56,6 +64,13 @@ struct Options {
   std::string session = "cpp-client";
   std::string token;
   std::string ca, cert, key;
+  // --watchdog: the fixed-rate loop behind a safety watchdog, which never waits for an answer.
+  bool watchdog = false;
+  double deadline_ms = 20.0;  // an answer later than this after its observation is not applied
+  std::string fallback = "hold";  // hold | zero: what a tick without a fresh action applies
+  int estop_after = 50;  // consecutive fallbacks that latch an e-stop; 0: never
+  double max_delta = 0.0;  // largest change of an action entry per tick; 0: 25 % of its range
+  std::string watchdog_option;  // the first watchdog option given (refused without --watchdog)
 };
 
 std::string ReadFile(const std::string& path) {
@@ -116,9 +131,26 @@ Options Parse(int argc, char** argv) {
     else if (a == "--ca") o.ca = next();
     else if (a == "--cert") o.cert = next();
     else if (a == "--key") o.key = next();
+    else if (a == "--watchdog") o.watchdog = true;
+    else if (a == "--deadline-ms") o.deadline_ms = Number(a, next(), 0, kMaxSeconds * 1000);
+    else if (a == "--fallback") o.fallback = next();
+    else if (a == "--estop-after") o.estop_after = WholeNumber(a, next(), 0, 2147483647);
+    else if (a == "--max-delta") o.max_delta = Number(a, next(), 0, 3.4e38);
     else throw std::runtime_error("unknown option " + a);
+    if (o.watchdog_option.empty() &&
+        (a == "--deadline-ms" || a == "--fallback" || a == "--estop-after" || a == "--max-delta")) {
+      o.watchdog_option = a;
+    }
   }
   if (!(o.answer_timeout_s > 0)) throw std::runtime_error("--answer-timeout-s must be > 0");
+  if (!o.watchdog && !o.watchdog_option.empty()) {
+    throw std::runtime_error(o.watchdog_option + " is an option of --watchdog, which is not given");
+  }
+  if (o.watchdog && !(o.hz > 0)) throw std::runtime_error("--watchdog needs --hz > 0 (the control rate)");
+  if (!(o.deadline_ms > 0)) throw std::runtime_error("--deadline-ms must be > 0");
+  if (o.fallback != "hold" && o.fallback != "zero") {
+    throw std::runtime_error("--fallback must be hold or zero, got '" + o.fallback + "'");
+  }
   return o;
 }
 
@@ -215,6 +247,381 @@ void AddAuth(grpc::ClientContext* ctx, const Options& o, double deadline_s) {
   if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
 }
 
+// The test signal a step observes: obs[i] = sin(0.1 * step + i).
+std::vector<float> TestObservation(int64_t step, int64_t obs_dim) {
+  std::vector<float> obs(obs_dim);
+  for (int64_t i = 0; i < obs_dim; ++i) obs[i] = static_cast<float>(std::sin(0.1 * step + i));
+  return obs;
+}
+
+// The first message of a stream of env 0. A stream after the first, or one that opens after
+// the loop stepped, is mid-episode; every stream resumes the session (StreamHello.resumes).
+edgerl::v1::ActRequest Hello(const Options& o, const edgerl::v1::DescribeResponse& info,
+                             bool mid_episode) {
+  edgerl::v1::ActRequest hello;
+  auto* h = hello.mutable_hello();
+  h->set_session_id(o.session);
+  h->set_env_name(info.env_name());
+  h->set_num_envs(1);
+  for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
+  h->set_max_inflight(1);
+  h->set_mid_episode(mid_episode);
+  h->set_resumes(true);
+  return hello;
+}
+
+// A step of env 0: its observation, what the actions since its last request earned (reward,
+// and whether any of them was a fallback), and its number among the env's requests.
+edgerl::v1::ActRequest StepRequest(const std::vector<float>& obs, float reward, bool fallback,
+                                   uint64_t index) {
+  edgerl::v1::ActRequest req;
+  auto* st = req.mutable_step();
+  st->add_env_ids(0);
+  *st->mutable_obs() = Float32(obs, {1, static_cast<int64_t>(obs.size())});
+  st->add_rewards(reward);
+  st->add_terminated(false);
+  st->add_truncated(false);
+  st->add_fallback(fallback);
+  st->add_obs_index(index);
+  return req;
+}
+
+// Seconds on the steady clock, and back.
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::chrono::steady_clock::time_point At(double seconds) {
+  return std::chrono::steady_clock::time_point(Seconds(seconds));
+}
+
+// Whole lines on stdout from more than one thread.
+class Printer {
+ public:
+  void Say(const std::string& line) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::cout << line << std::endl;
+  }
+
+ private:
+  std::mutex mu_;
+};
+
+using StubFactory = std::function<std::unique_ptr<edgerl::v1::EdgePolicy::Stub>()>;
+
+// A request of the watchdog's loop: the observation read at a tick, and what the robot earned
+// since its previous request.
+struct Request {
+  int64_t tick = 0;
+  double time = 0.0;  // when the observation was read (Now())
+  std::vector<float> obs;
+  float reward = 0.0f;
+  bool fallback = false;
+  uint64_t index = 0;  // StepObservation.obs_index
+};
+
+// The watchdog mode's network thread: it keeps an Act stream open (reconnecting as the plain
+// loop does, and resuming the session), sends the request the loop posts, and hands each
+// answer to the watchdog. The loop never waits on it: Post() and TakeLost() take a lock only.
+// One request is in flight at a time; a tick that finds one in flight sends nothing.
+class Uplink {
+ public:
+  Uplink(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
+         edgerl::Watchdog* watchdog, Printer* out)
+      : o_(o), info_(info), stubs_(std::move(stubs)), watchdog_(watchdog), out_(out),
+        thread_([this] { Run(); }) {}
+  ~Uplink() { Stop(); }
+
+  // The loop's side. The request lost with a broken stream, if any: what it carried goes into
+  // the next one, which takes its number (the server completes the step it answered last with
+  // it, or answers it in the lost one's place).
+  std::optional<Request> TakeLost() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::optional<Request> lost = std::move(lost_);
+    lost_.reset();
+    return lost;
+  }
+
+  // Send `r` if a stream is open and nothing is in flight (or lost, untaken); else false.
+  bool Post(Request r) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stepped_ = true;
+      if (!open_ || inflight_ || lost_ || stop_) return false;
+      inflight_ = std::move(r);
+    }
+    cv_.notify_all();
+    return true;
+  }
+
+  // The stream ended for good (a status not worth retrying, or no stream within --reconnect-s).
+  bool Failed(grpc::Status* why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) *why = status_;
+    return failed_;
+  }
+
+  uint64_t version() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return version_;
+  }
+
+  // End the stream (after the answer in flight, at most --answer-timeout-s) and the thread.
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_real_distribution<double> jitter(0.5, 1.0);
+    int reconnects = 0;
+    int attempt = 0;  // since the last answer
+    double outage_since = Now();
+    for (;;) {
+      bool answered = false;
+      grpc::Status s = Serve(&answered);
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_ && s.ok()) return;
+      if (answered) {
+        attempt = 0;
+        outage_since = Now();
+      }
+      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                             s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      if (stop_ || !transient || Now() - outage_since >= o_.reconnect_s) {
+        if (!stop_) {
+          failed_ = true;
+          status_ = s;
+        }
+        return;
+      }
+      lock.unlock();
+      std::ostringstream line;
+      line << "reconnect " << ++reconnects << " after " << s.error_code() << ' ' << s.error_message();
+      out_->Say(line.str());
+      lock.lock();
+      // Jitter: a fleet that lost its server together does not come back in lockstep.
+      const double backoff_ms = std::min(50 << std::min(attempt++, 5), 1000) * jitter(rng);
+      const auto backoff = std::chrono::duration<double, std::milli>(backoff_ms);
+      if (cv_.wait_for(lock, backoff, [this] { return stop_; })) return;
+    }
+  }
+
+  // One stream: open it, then send each request posted and hand its answer to the watchdog
+  // until the stream breaks (its status) or Stop() (OK). `answered`: an answer came.
+  grpc::Status Serve(bool* answered) {
+    stream_.reset();  // the finished call before its context, and both before their channel
+    ctx_.reset();
+    stub_ = stubs_();
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    AddAuth(ctx_.get(), o_, 3600.0);
+    bool mid_episode = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Under the lock that Post() takes: a tick either comes before (the stream starts
+      // mid-episode) or finds the stream open and posts its request to it.
+      mid_episode = streams_ > 0 || stepped_;
+      open_ = true;
+    }
+    ++streams_;
+    const auto answer_timeout = Seconds(o_.answer_timeout_s);
+    alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);  // the connection
+    stream_ = stub_->Act(ctx_.get());
+    bool up = stream_->Write(Hello(o_, info_, mid_episode));
+    bool overdue = alarm_.Disarm();
+    up = up && !overdue;
+    uint64_t seq = 0;
+    while (up) {
+      Request r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || inflight_; });
+        if (stop_) break;
+        r = *inflight_;
+      }
+      edgerl::v1::ActRequest req = StepRequest(r.obs, r.reward, r.fallback, r.index);
+      req.mutable_step()->set_seq(seq);
+      edgerl::v1::ActResponse resp;
+      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
+      const bool ok = stream_->Write(req) && stream_->Read(&resp);
+      overdue = alarm_.Disarm();
+      if (overdue || !ok) {
+        up = false;
+        break;
+      }
+      if (resp.seq() != seq || resp.actions().dtype() != edgerl::v1::FLOAT32) {
+        std::ostringstream why;
+        why << "protocol: answer for seq " << resp.seq() << " (expected " << seq
+            << ") with actions of dtype " << resp.actions().dtype() << " (expected FLOAT32)";
+        ctx_->TryCancel();
+        stream_->Finish();
+        return Close(grpc::Status(grpc::StatusCode::INTERNAL, why.str()));
+      }
+      ++seq;
+      *answered = true;
+      watchdog_->Submit(Floats(resp.actions()), r.tick, r.time, resp.policy_version(), Now());
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_.reset();
+      version_ = resp.policy_version();
+    }
+    if (up) {  // Stop(): nothing is in flight on the wire
+      stream_->WritesDone();
+      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
+      grpc::Status s = stream_->Finish();
+      alarm_.Disarm();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        open_ = false;
+      }
+      return s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
+    }
+    grpc::Status s = stream_->Finish();
+    if (overdue) {
+      std::ostringstream why;
+      why << "no answer within " << o_.answer_timeout_s << " s";
+      s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
+    } else if (s.ok()) {  // the server ended the stream with a request unanswered: a new one
+      s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server ended the stream without an answer");
+    }
+    return Close(s);
+  }
+
+  // The stream broke with `s`: the request in flight is lost, for the loop to take back.
+  grpc::Status Close(grpc::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+    lost_ = std::move(inflight_);
+    inflight_.reset();
+    return s;
+  }
+
+  const Options o_;
+  const edgerl::v1::DescribeResponse info_;
+  const StubFactory stubs_;
+  edgerl::Watchdog* const watchdog_;
+  Printer* const out_;
+  // The network thread's own.
+  std::unique_ptr<edgerl::v1::EdgePolicy::Stub> stub_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<edgerl::v1::ActRequest, edgerl::v1::ActResponse>> stream_;
+  int streams_ = 0;
+  Alarm alarm_;  // after ctx_ and stream_: it stops before they go
+  // Shared with the loop, under mu_.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;  // a stream takes requests
+  bool stepped_ = false;  // the loop has ticked
+  bool stop_ = false;
+  bool failed_ = false;
+  grpc::Status status_;
+  std::optional<Request> inflight_, lost_;
+  uint64_t version_ = 0;
+  std::thread thread_;  // last: it starts once the members above are set
+};
+
+// The watchdog mode: tick at --hz on absolute deadlines (t0 + i / hz) and apply the
+// watchdog's action at every tick, whatever the network does. Each tick prints one line:
+// "tick <i> <policy|fallback|estop> version <v> age_ms <ms> at_ms <ms> action <...>" (at_ms:
+// when it ran, since the loop's start; version and age_ms are "-" on fallbacks). Then it reads
+// the robot (the test signal: tick i's observation is that of step i, its action earns i + 1)
+// and, where no request is in flight, sends the observation with all the robot earned since
+// its last request (fallback set if any of those ticks fell back). A tick found more than a
+// period late skips to the next one due; the ticks skipped count as loop deadline misses.
+// Where the stream ends for good, the watchdog latches an e-stop and the loop runs on until the
+// stop action is reached, then ends with ERROR. Last line: "OK ticks=<n> policy_ticks=<n>
+// fallbacks=<n> late_actions=<n> loop_deadline_misses=<n> estops=<n> version=<v>".
+int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
+                int64_t obs_dim) {
+  const auto& space = info.action_space();
+  int64_t act_dim = 1;
+  for (int64_t d : space.shape()) act_dim *= d;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<float> low(act_dim, static_cast<float>(-inf)), high(act_dim, static_cast<float>(inf));
+  if (space.low_size() == act_dim) low.assign(space.low().begin(), space.low().end());
+  if (space.high_size() == act_dim) high.assign(space.high().begin(), space.high().end());
+  edgerl::WatchdogConfig config;
+  config.deadline_s = o.deadline_ms / 1000.0;
+  config.fallback = o.fallback == "zero" ? edgerl::Fallback::kZero : edgerl::Fallback::kHold;
+  config.estop_after = o.estop_after;
+  config.max_delta = o.max_delta;
+  std::unique_ptr<edgerl::Watchdog> watchdog;
+  try {
+    watchdog = std::make_unique<edgerl::Watchdog>(low, high, config);
+  } catch (const std::invalid_argument& e) {  // the server's action space
+    std::cout << "ERROR " << grpc::StatusCode::FAILED_PRECONDITION << " action_space: " << e.what()
+              << std::endl;
+    return 1;
+  }
+  Printer out;
+  Uplink uplink(o, info, std::move(stubs), watchdog.get(), &out);
+  const double period = 1.0 / o.hz;
+  const double t0 = Now();
+  float earned = 0.0f;  // reward since the last request
+  bool fell_back = false;  // a fallback since the last request
+  uint64_t requests = 0;
+  grpc::Status failure;
+  bool failed = false;
+  for (int64_t i = 0; i < o.steps; ++i) {
+    std::this_thread::sleep_until(At(t0 + i * period));
+    const double now = Now();
+    const auto late = static_cast<int64_t>((now - (t0 + i * period)) / period);
+    if (late >= 1) {  // more than a period late: on to the tick due now
+      const int64_t skip = std::min<int64_t>(late, o.steps - i);
+      watchdog->Missed(skip);
+      i += skip;
+      if (i >= o.steps) break;
+    }
+    if (!failed && uplink.Failed(&failure)) {
+      failed = true;
+      watchdog->Estop();
+      std::ostringstream line;
+      line << "estop the stream ended: " << failure.error_code() << ' ' << failure.error_message();
+      out.Say(line.str());
+    }
+    const edgerl::Tick t = watchdog->Step(i, now);
+    std::ostringstream line;
+    line << "tick " << i << ' ' << edgerl::TickKindName(t.kind);
+    if (t.fallback()) {
+      line << " version - age_ms -";
+    } else {
+      line << " version " << t.version << " age_ms " << std::fixed << std::setprecision(3) << t.age_s * 1e3;
+    }
+    line << std::fixed << std::setprecision(3) << " at_ms " << (now - t0) * 1e3 << std::defaultfloat
+         << std::setprecision(6);
+    line << " action";
+    for (float x : t.action) line << ' ' << x;
+    out.Say(line.str());
+    // Read the robot, then send its observation if the stream can take it.
+    earned += static_cast<float>(i + 1);
+    fell_back = fell_back || t.fallback();
+    if (std::optional<Request> lost = uplink.TakeLost()) {
+      earned += lost->reward;
+      fell_back = fell_back || lost->fallback;
+      requests = lost->index;
+    }
+    Request r{i, now, TestObservation(i, obs_dim), earned, fell_back, requests};
+    if (uplink.Post(std::move(r))) {
+      ++requests;
+      earned = 0.0f;
+      fell_back = false;
+    }
+    if (failed && watchdog->at_stop_action()) break;  // stopped safely: nothing more to do
+  }
+  uplink.Stop();
+  if (failed) return Fail(failure);
+  const edgerl::WatchdogStats st = watchdog->stats();
+  std::cout << "OK ticks=" << st.ticks << " policy_ticks=" << st.policy_ticks << " fallbacks=" << st.fallbacks
+            << " late_actions=" << st.late_actions << " loop_deadline_misses=" << st.loop_deadline_misses
+            << " estops=" << st.estops << " version=" << uplink.version() << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -239,7 +646,10 @@ int main(int argc, char** argv) {
   // else a new channel shares the old one's connection, which may be the dead one).
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto stub = edgerl::v1::EdgePolicy::NewStub(grpc::CreateCustomChannel(o.server, creds, args));
+  StubFactory stubs = [&o, creds, args]() {
+    return edgerl::v1::EdgePolicy::NewStub(grpc::CreateCustomChannel(o.server, creds, args));
+  };
+  auto stub = stubs();
 
   // Describe: spaces, version and limits.
   edgerl::v1::DescribeResponse info;
@@ -254,6 +664,7 @@ int main(int argc, char** argv) {
   std::cout << "server " << info.server_version() << " backend " << info.backend() << " env "
             << info.env_name() << " obs_dim " << obs_dim << " act_dim "
             << info.action_space().shape(0) << " version " << info.policy_version() << std::endl;
+  if (o.watchdog) return RunWatchdog(o, info, stubs, obs_dim);
 
   // The Act stream: hello first, then one step per loop iteration. A stream after the first
   // resumes the session: the envs are mid-episode, and the request left unanswered goes again.
@@ -266,24 +677,13 @@ int main(int argc, char** argv) {
   auto open = [&]() {
     stream.reset();  // the finished call before its context, and both before their channel
     ctx.reset();
-    if (streams > 0) {
-      stub = edgerl::v1::EdgePolicy::NewStub(grpc::CreateCustomChannel(o.server, creds, args));
-    }
+    if (streams > 0) stub = stubs();
     ctx = std::make_unique<grpc::ClientContext>();
     AddAuth(ctx.get(), o, 3600.0);
     alarm.Arm(ctx.get(), std::chrono::steady_clock::now() + answer_timeout);  // to the 1st step
     stream = stub->Act(ctx.get());  // waits for the connection
-    edgerl::v1::ActRequest hello;
-    auto* h = hello.mutable_hello();
-    h->set_session_id(o.session);
-    h->set_env_name(info.env_name());
-    h->set_num_envs(1);
-    for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
-    h->set_max_inflight(1);
-    h->set_mid_episode(streams > 0);
-    h->set_resumes(true);
-    ++streams;
-    stream->Write(hello);  // a failure (or the alarm) shows at the first step's write or read
+    // A failure (or the alarm) shows at the first step's write or read.
+    stream->Write(Hello(o, info, streams++ > 0));
   };
   open();
 
@@ -296,16 +696,11 @@ int main(int argc, char** argv) {
   uint64_t seq = 0;  // this stream's: 0 for its first step
   int reconnects = 0;
   for (int step = 0; step < o.steps; ++step) {
-    std::vector<float> obs(obs_dim);
-    for (int64_t i = 0; i < obs_dim; ++i) obs[i] = static_cast<float>(std::sin(0.1 * step + i));
-    edgerl::v1::ActRequest req;
+    const std::vector<float> obs = TestObservation(step, obs_dim);
+    // Its reward is what step - 1's action earned.
+    edgerl::v1::ActRequest req =
+        StepRequest(obs, static_cast<float>(step), false, static_cast<uint64_t>(step));
     auto* st = req.mutable_step();
-    st->add_env_ids(0);
-    *st->mutable_obs() = Float32(obs, {1, obs_dim});
-    st->add_rewards(static_cast<float>(step));  // what step - 1's action earned
-    st->add_terminated(false);
-    st->add_truncated(false);
-    st->add_obs_index(static_cast<uint64_t>(step));
     edgerl::v1::ActResponse resp;
     const auto asked = std::chrono::steady_clock::now();
     for (int attempt = 0;; ++attempt) {
