@@ -134,11 +134,17 @@ class _LocalStream(asyncio.Protocol):
         self._pending: deque[_Pending] = deque()
         self._ended = False
         self._no_hello: asyncio.TimerHandle | None = None
+        self._awaiting = False  # counted in the servicer's streams_awaiting_hello
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream socket's (uvloop's is no subclass)
         self._owner.streams.add(self)
+        refused = self._servicer.await_hello()
+        if refused is not None:
+            self._refuse(grpc.StatusCode.UNAVAILABLE, refused, quiet=True)
+            return
+        self._awaiting = True
         hello_s = self._servicer.hello_timeout_s
         if hello_s:
             self._no_hello = asyncio.get_running_loop().call_later(hello_s, self._hello_overdue)
@@ -169,6 +175,7 @@ class _LocalStream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
+        self._settled()
         if self._no_hello is not None:
             self._no_hello.cancel()
         self._owner.streams.discard(self)
@@ -196,9 +203,16 @@ class _LocalStream(asyncio.Protocol):
                 f"frame: {size} bytes, more than the server's max_message_bytes ({limit})",
             )
 
+    def _settled(self) -> None:
+        """The first frame came, or the stream ended: it no longer waits for its settings."""
+        if self._awaiting:
+            self._awaiting = False
+            self._servicer.hello_came()
+
     def _on_frame(self, payload: bytes) -> None:
         kind = payload[:1]
         if self._spec is None:
+            self._settled()
             if kind != frames.CONFIG:
                 raise InvalidRequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -290,12 +304,14 @@ class _LocalStream(asyncio.Protocol):
         if not self._ended and self._transport is not None:
             self._transport.write(data)
 
-    def _refuse(self, code: grpc.StatusCode, message: str) -> None:
-        """Send the failure and close the socket; the other streams are not touched."""
+    def _refuse(self, code: grpc.StatusCode, message: str, *, quiet: bool = False) -> None:
+        """Send the failure and close the socket; the other streams are not touched. ``quiet``:
+        logged at INFO (one of a flood), not as a warning."""
         if self._ended:
             return
         name = self._spec.session_id if self._spec is not None else "?"
-        log.warning("local stream %s refused: %s: %s", name, code.name, message)
+        level = logging.INFO if quiet else logging.WARNING
+        log.log(level, "local stream %s refused: %s: %s", name, code.name, message)
         self._write(frames.encode_failure(0, code.name, message))
         self._ended = True
         if self._transport is not None:

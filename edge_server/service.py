@@ -288,7 +288,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         self.rejected_streams = 0
         self.active_streams = 0
         self.streams_awaiting_hello = 0
-        """gRPC Act streams whose first message has not come: at most ``max_streams`` at once."""
+        """Act streams (gRPC and local) whose first message has not come: at most ``max_streams``."""
         self._session_streams: dict[str, int] = {}
         """Streams past their hello, by session, over gRPC and the local socket."""
         self._obs_low = _bound(obs_low, self.obs_shape, -np.inf, "obs_low")
@@ -332,17 +332,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     async def Act(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ActRequest | Unparsed], context: grpc.aio.ServicerContext
     ) -> None:
-        waiting, limit = self.streams_awaiting_hello, self.limits.max_streams
-        if waiting >= limit:  # each holds ~26 KB until its hello or hello_timeout_s: a flood
-            self.rejected_streams += 1
-            message = (
-                f"max_streams: {waiting} stream(s) have sent no hello yet, the server waits for at "
-                f"most {limit} at once; retry when one has ended"
-            )
-            log.info("stream refused: %s", message)
+        refused = self.await_hello()
+        if refused is not None:
             await drop_until_quiet(request_iterator)  # so that the client reads the refusal
-            await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-        self.streams_awaiting_hello += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
         opened = _Opened()
         loop = asyncio.get_running_loop()
@@ -391,12 +384,32 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 for handle in opened.handles:
                     store.close_stream(handle)
 
+    def await_hello(self) -> str | None:
+        """A stream (over gRPC or the local socket) starts: count it among those that have sent
+        no hello, or refuse it, returning the message for its UNAVAILABLE, where ``max_streams``
+        wait already (each holds some memory until its hello or ``hello_timeout_s``: ~26 KB over
+        gRPC). Each stream counted is let go once by :meth:`hello_came`."""
+        waiting, limit = self.streams_awaiting_hello, self.limits.max_streams
+        if waiting >= limit:
+            self.rejected_streams += 1
+            message = (
+                f"max_streams: {waiting} stream(s) have sent no hello yet, the server waits for at "
+                f"most {limit} at once; retry when one has ended"
+            )
+            log.info("stream refused: %s", message)  # a flood: not a warning a stream
+            return message
+        self.streams_awaiting_hello += 1
+        return None
+
+    def hello_came(self) -> None:
+        """A stream counted by :meth:`await_hello` sent its first message (its hello, or what is
+        refused in its place), or ended."""
+        self.streams_awaiting_hello -= 1
+
     def _hello_came(self, opened: _Opened) -> None:
-        """The stream's first message came (its hello, or what is refused in its place), or it
-        ended: it no longer counts among the streams that have sent no hello."""
         if opened.hello_awaited:
             opened.hello_awaited = False
-            self.streams_awaiting_hello -= 1
+            self.hello_came()
 
     def hello_overdue(self, missing: str = "hello: no StreamHello") -> str:
         """The refusal of a stream without its hello ``hello_timeout_s`` after its start (counted

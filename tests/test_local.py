@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.edge_server.validation import InvalidRequestError, StreamSpec, check_rows
 from edgerl.models import build_policy
 from edgerl.proto import frames
+from edgerl.proto.v1 import edge_pb2_grpc as pb_grpc
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import EdgeClient
 from edgerl.robot_client.keeper import StreamSettings
@@ -567,6 +569,49 @@ def test_a_local_stream_without_its_settings_is_refused_after_hello_timeout_s(tm
             assert details == "settings: no settings frame (C) within 0.3 s of the stream's start"
             await _ask(good, [0, 1])  # the stream that sent its settings is served
             assert server.servicer.rejected_invalid == 1
+
+    run(main())
+
+
+def test_local_streams_that_have_sent_no_settings_are_bounded_by_max_streams(tmp_path: Path) -> None:
+    """A local connection that sends nothing waited for its settings until ``hello_timeout_s``,
+    and nothing bounded how many did, as gRPC calls without their hello were not before. Now
+    both count against one bound, ``max_streams``: a connection past it is refused at once
+    with UNAVAILABLE naming the limit (and counted in ``rejected_streams``), and one is let in
+    again as soon as a waiting one sends its settings or goes. Open streams are served on."""
+
+    async def main() -> None:
+        path = str(tmp_path / "act.sock")
+        async with (
+            running_server(
+                EchoPolicy(OBS, ACT), local_socket=path, max_streams=3, hello_timeout_s=30.0
+            ) as server,
+            _connected(path) as good,
+        ):
+            servicer = server.servicer
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch,
+                _connected(path, greet=False) as (_, quiet_writer),
+                _connected(path, greet=False) as gone,
+            ):
+                call = pb_grpc.EdgePolicyStub(ch).Act(timeout=30)  # a gRPC call without its hello
+                assert await waited(lambda: servicer.streams_awaiting_hello == 3, 5.0)
+                async with _connected(path, greet=False) as (reader, _):
+                    code, details = await _refusal(reader)
+                assert (code, details) == (
+                    "UNAVAILABLE",
+                    "max_streams: 3 stream(s) have sent no hello yet, the server waits for at most 3 "
+                    "at once; retry when one has ended",
+                )
+                assert servicer.rejected_streams == 1 and servicer.rejected_invalid == 0
+                await _ask(good, [0, 1])  # an open stream is served on
+                quiet_writer.write(_settings(session_id="late"))  # now an open stream
+                gone[1].close()
+                assert await waited(lambda: servicer.streams_awaiting_hello == 1, 5.0)
+                async with _connected(path, _settings(session_id="let-in")) as let_in:
+                    await _ask(let_in, [2, 3])
+                call.cancel()
+            assert await waited(lambda: servicer.streams_awaiting_hello == 0, 5.0)
 
     run(main())
 
