@@ -16,8 +16,9 @@
 // "OK steps=<n> version=<v>"; any failure prints "ERROR <code> <message>" and exits 1.
 //
 // The loop waits for each answer. With --watchdog it does not: a control loop ticks at --hz
-// behind a safety watchdog (watchdog.h) while a thread of its own talks to the server, as
-// edgerl's robot host does (see RunWatchdog below).
+// behind a safety watchdog (watchdog.h) while a thread of its own talks to the server
+// (edgerl::ControlStream, edge_stream.h), as edgerl's robot host does (see RunWatchdog below).
+// Both headers are for any C++ controller to include.
 //
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
 // connection) or an answer is overdue (a link that died without closing its connection), the
@@ -28,41 +29,44 @@
 // not come goes again, numbered as before (StepObservation.obs_index, the step), so the
 // server loses no step of the episode and completes each with its own reward.
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <cstring>
 #include <fstream>
-#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
+#include "edge_stream.h"
 #include "edgerl/v1/edge.grpc.pb.h"
 #include "watchdog.h"
 
 namespace {
 
-struct Options {
+using edgerl::AddAuth;
+using edgerl::Alarm;
+using edgerl::Floats;
+using edgerl::Hello;
+using edgerl::Now;
+using edgerl::Seconds;
+using edgerl::StepRequest;
+using edgerl::StubFactory;
+
+// The options of the command line: those of the stream (session, token, answer timeout,
+// reconnect window) and the rest.
+struct Options : edgerl::StreamOptions {
   std::string server = "127.0.0.1:50051";
   int steps = 10;
   double hz = 0.0;  // 0: as fast as the server answers
-  double answer_timeout_s = 2.0;  // an answer later than this ends the stream as broken
-  double reconnect_s = 10.0;  // how long to keep trying to resume a broken stream; 0: never
-  std::string session = "cpp-client";
-  std::string token;
   std::string ca, cert, key;
   // --watchdog: the fixed-rate loop behind a safety watchdog, which never waits for an answer.
   bool watchdog = false;
@@ -154,77 +158,6 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
-// Cancels a call whose answer is overdue: armed when a stream opens (a connection that never
-// comes up blocks the opening) and before each step's write and read, disarmed after them.
-// (The synchronous API's writes and reads take no deadline of their own.)
-class Alarm {
- public:
-  Alarm() : thread_([this] { Run(); }) {}
-  ~Alarm() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void Arm(grpc::ClientContext* ctx, std::chrono::steady_clock::time_point at) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ctx_ = ctx;
-      at_ = at;
-    }
-    cv_.notify_all();
-  }
-  // Whether the alarm cancelled the call since it was last disarmed.
-  bool Disarm() {
-    std::lock_guard<std::mutex> lock(mu_);
-    ctx_ = nullptr;
-    const bool fired = fired_;
-    fired_ = false;
-    return fired;
-  }
-
- private:
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      if (ctx_ == nullptr) {
-        cv_.wait(lock);
-      } else if (std::chrono::steady_clock::now() >= at_) {
-        ctx_->TryCancel();
-        ctx_ = nullptr;
-        fired_ = true;
-      } else {
-        cv_.wait_until(lock, at_);
-      }
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  grpc::ClientContext* ctx_ = nullptr;
-  std::chrono::steady_clock::time_point at_;
-  bool fired_ = false;
-  bool stop_ = false;
-  std::thread thread_;  // last: it starts once the members above are set
-};
-
-// FLOAT32 tensor, little-endian raw bytes (x86 and ARM hosts are little-endian).
-edgerl::v1::Tensor Float32(const std::vector<float>& values, const std::vector<int64_t>& shape) {
-  edgerl::v1::Tensor t;
-  t.set_dtype(edgerl::v1::FLOAT32);
-  for (int64_t d : shape) t.add_shape(d);
-  t.set_data(values.data(), values.size() * sizeof(float));
-  return t;
-}
-
-std::vector<float> Floats(const edgerl::v1::Tensor& t) {
-  if (t.dtype() != edgerl::v1::FLOAT32) throw std::runtime_error("actions: expected FLOAT32");
-  std::vector<float> out(t.data().size() / sizeof(float));
-  std::memcpy(out.data(), t.data().data(), out.size() * sizeof(float));
-  return out;
-}
-
 void Print(const char* label, const std::vector<float>& v) {
   std::cout << ' ' << label;
   for (float x : v) std::cout << ' ' << x;
@@ -235,64 +168,11 @@ int Fail(const grpc::Status& s) {
   return 1;
 }
 
-// A span of the steady clock from seconds.
-std::chrono::steady_clock::duration Seconds(double s) {
-  using std::chrono::duration;
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(duration<double>(s));
-}
-
-void AddAuth(grpc::ClientContext* ctx, const Options& o, double deadline_s) {
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
-  if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
-}
-
 // The test signal a step observes: obs[i] = sin(0.1 * step + i).
 std::vector<float> TestObservation(int64_t step, int64_t obs_dim) {
   std::vector<float> obs(obs_dim);
   for (int64_t i = 0; i < obs_dim; ++i) obs[i] = static_cast<float>(std::sin(0.1 * step + i));
   return obs;
-}
-
-// The first message of a stream of env 0. A stream after the first, or one that opens after
-// the loop stepped, is mid-episode; every stream resumes the session (StreamHello.resumes).
-edgerl::v1::ActRequest Hello(const Options& o, const edgerl::v1::DescribeResponse& info,
-                             bool mid_episode) {
-  edgerl::v1::ActRequest hello;
-  auto* h = hello.mutable_hello();
-  h->set_session_id(o.session);
-  h->set_env_name(info.env_name());
-  h->set_num_envs(1);
-  for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
-  h->set_max_inflight(1);
-  h->set_mid_episode(mid_episode);
-  h->set_resumes(true);
-  return hello;
-}
-
-// A step of env 0: its observation, what the actions since its last request earned (reward,
-// and whether any of them was a fallback), and its number among the env's requests.
-edgerl::v1::ActRequest StepRequest(const std::vector<float>& obs, float reward, bool fallback,
-                                   uint64_t index) {
-  edgerl::v1::ActRequest req;
-  auto* st = req.mutable_step();
-  st->add_env_ids(0);
-  *st->mutable_obs() = Float32(obs, {1, static_cast<int64_t>(obs.size())});
-  st->add_rewards(reward);
-  st->add_terminated(false);
-  st->add_truncated(false);
-  st->add_fallback(fallback);
-  st->add_obs_index(index);
-  return req;
-}
-
-// Seconds on the steady clock, and back.
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-std::chrono::steady_clock::time_point At(double seconds) {
-  return std::chrono::steady_clock::time_point(Seconds(seconds));
 }
 
 // Whole lines on stdout from more than one thread.
@@ -305,224 +185,6 @@ class Printer {
 
  private:
   std::mutex mu_;
-};
-
-using StubFactory = std::function<std::unique_ptr<edgerl::v1::EdgePolicy::Stub>()>;
-
-// A request of the watchdog's loop: the observation read at a tick, and what the robot earned
-// since its previous request.
-struct Request {
-  int64_t tick = 0;
-  double time = 0.0;  // when the observation was read (Now())
-  std::vector<float> obs;
-  float reward = 0.0f;
-  bool fallback = false;
-  uint64_t index = 0;  // StepObservation.obs_index
-};
-
-// The watchdog mode's network thread: it keeps an Act stream open (reconnecting as the plain
-// loop does, and resuming the session), sends the request the loop posts, and hands each
-// answer to the watchdog. The loop never waits on it: Post() and TakeLost() take a lock only.
-// One request is in flight at a time; a tick that finds one in flight sends nothing.
-class Uplink {
- public:
-  Uplink(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
-         edgerl::Watchdog* watchdog, Printer* out)
-      : o_(o), info_(info), stubs_(std::move(stubs)), watchdog_(watchdog), out_(out),
-        thread_([this] { Run(); }) {}
-  ~Uplink() { Stop(); }
-
-  // The loop's side. The request lost with a broken stream, if any: what it carried goes into
-  // the next one, which takes its number (the server completes the step it answered last with
-  // it, or answers it in the lost one's place).
-  std::optional<Request> TakeLost() {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::optional<Request> lost = std::move(lost_);
-    lost_.reset();
-    return lost;
-  }
-
-  // Send `r` if a stream is open and nothing is in flight (or lost, untaken); else false.
-  bool Post(Request r) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stepped_ = true;
-      if (!open_ || inflight_ || lost_ || stop_) return false;
-      inflight_ = std::move(r);
-    }
-    cv_.notify_all();
-    return true;
-  }
-
-  // The stream ended for good (a status not worth retrying, or no stream within --reconnect-s).
-  bool Failed(grpc::Status* why) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_) *why = status_;
-    return failed_;
-  }
-
-  uint64_t version() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return version_;
-  }
-
-  // End the stream (after the answer in flight, at most --answer-timeout-s) and the thread.
-  void Stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void Run() {
-    std::mt19937 rng(std::random_device{}());
-    std::uniform_real_distribution<double> jitter(0.5, 1.0);
-    int reconnects = 0;
-    int attempt = 0;  // since the last answer
-    double outage_since = Now();
-    for (;;) {
-      bool answered = false;
-      grpc::Status s = Serve(&answered);
-      std::unique_lock<std::mutex> lock(mu_);
-      if (stop_ && s.ok()) return;
-      if (answered) {
-        attempt = 0;
-        outage_since = Now();
-      }
-      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                             s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-      if (stop_ || !transient || Now() - outage_since >= o_.reconnect_s) {
-        if (!stop_) {
-          failed_ = true;
-          status_ = s;
-        }
-        return;
-      }
-      lock.unlock();
-      std::ostringstream line;
-      line << "reconnect " << ++reconnects << " after " << s.error_code() << ' ' << s.error_message();
-      out_->Say(line.str());
-      lock.lock();
-      // Jitter: a fleet that lost its server together does not come back in lockstep.
-      const double backoff_ms = std::min(50 << std::min(attempt++, 5), 1000) * jitter(rng);
-      const auto backoff = std::chrono::duration<double, std::milli>(backoff_ms);
-      if (cv_.wait_for(lock, backoff, [this] { return stop_; })) return;
-    }
-  }
-
-  // One stream: open it, then send each request posted and hand its answer to the watchdog
-  // until the stream breaks (its status) or Stop() (OK). `answered`: an answer came.
-  grpc::Status Serve(bool* answered) {
-    stream_.reset();  // the finished call before its context, and both before their channel
-    ctx_.reset();
-    stub_ = stubs_();
-    ctx_ = std::make_unique<grpc::ClientContext>();
-    AddAuth(ctx_.get(), o_, 3600.0);
-    bool mid_episode = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // Under the lock that Post() takes: a tick either comes before (the stream starts
-      // mid-episode) or finds the stream open and posts its request to it.
-      mid_episode = streams_ > 0 || stepped_;
-      open_ = true;
-    }
-    ++streams_;
-    const auto answer_timeout = Seconds(o_.answer_timeout_s);
-    alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);  // the connection
-    stream_ = stub_->Act(ctx_.get());
-    bool up = stream_->Write(Hello(o_, info_, mid_episode));
-    bool overdue = alarm_.Disarm();
-    up = up && !overdue;
-    uint64_t seq = 0;
-    while (up) {
-      Request r;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stop_ || inflight_; });
-        if (stop_) break;
-        r = *inflight_;
-      }
-      edgerl::v1::ActRequest req = StepRequest(r.obs, r.reward, r.fallback, r.index);
-      req.mutable_step()->set_seq(seq);
-      edgerl::v1::ActResponse resp;
-      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
-      const bool ok = stream_->Write(req) && stream_->Read(&resp);
-      overdue = alarm_.Disarm();
-      if (overdue || !ok) {
-        up = false;
-        break;
-      }
-      if (resp.seq() != seq || resp.actions().dtype() != edgerl::v1::FLOAT32) {
-        std::ostringstream why;
-        why << "protocol: answer for seq " << resp.seq() << " (expected " << seq
-            << ") with actions of dtype " << resp.actions().dtype() << " (expected FLOAT32)";
-        ctx_->TryCancel();
-        stream_->Finish();
-        return Close(grpc::Status(grpc::StatusCode::INTERNAL, why.str()));
-      }
-      ++seq;
-      *answered = true;
-      watchdog_->Submit(Floats(resp.actions()), r.tick, r.time, resp.policy_version(), Now());
-      std::lock_guard<std::mutex> lock(mu_);
-      inflight_.reset();
-      version_ = resp.policy_version();
-    }
-    if (up) {  // Stop(): nothing is in flight on the wire
-      stream_->WritesDone();
-      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
-      grpc::Status s = stream_->Finish();
-      alarm_.Disarm();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        open_ = false;
-      }
-      return s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
-    }
-    grpc::Status s = stream_->Finish();
-    if (overdue) {
-      std::ostringstream why;
-      why << "no answer within " << o_.answer_timeout_s << " s";
-      s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
-    } else if (s.ok()) {  // the server ended the stream with a request unanswered: a new one
-      s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server ended the stream without an answer");
-    }
-    return Close(s);
-  }
-
-  // The stream broke with `s`: the request in flight is lost, for the loop to take back.
-  grpc::Status Close(grpc::Status s) {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = false;
-    lost_ = std::move(inflight_);
-    inflight_.reset();
-    return s;
-  }
-
-  const Options o_;
-  const edgerl::v1::DescribeResponse info_;
-  const StubFactory stubs_;
-  edgerl::Watchdog* const watchdog_;
-  Printer* const out_;
-  // The network thread's own.
-  std::unique_ptr<edgerl::v1::EdgePolicy::Stub> stub_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<edgerl::v1::ActRequest, edgerl::v1::ActResponse>> stream_;
-  int streams_ = 0;
-  Alarm alarm_;  // after ctx_ and stream_: it stops before they go
-  // Shared with the loop, under mu_.
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;  // a stream takes requests
-  bool stepped_ = false;  // the loop has ticked
-  bool stop_ = false;
-  bool failed_ = false;
-  grpc::Status status_;
-  std::optional<Request> inflight_, lost_;
-  uint64_t version_ = 0;
-  std::thread thread_;  // last: it starts once the members above are set
 };
 
 // The watchdog mode: tick at --hz on absolute deadlines (t0 + i / hz) and apply the
@@ -559,16 +221,14 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
     return 1;
   }
   Printer out;
-  Uplink uplink(o, info, std::move(stubs), watchdog.get(), &out);
+  edgerl::ControlStream stream(o, info, std::move(stubs), watchdog.get(),
+                               [&out](const std::string& line) { out.Say(line); });
   const double period = 1.0 / o.hz;
   const double t0 = Now();
-  float earned = 0.0f;  // reward since the last request
-  bool fell_back = false;  // a fallback since the last request
-  uint64_t requests = 0;
   grpc::Status failure;
   bool failed = false;
   for (int64_t i = 0; i < o.steps; ++i) {
-    std::this_thread::sleep_until(At(t0 + i * period));
+    std::this_thread::sleep_until(edgerl::At(t0 + i * period));
     const double now = Now();
     const auto late = static_cast<int64_t>((now - (t0 + i * period)) / period);
     if (late >= 1) {  // more than a period late: on to the tick due now
@@ -577,7 +237,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       i += skip;
       if (i >= o.steps) break;
     }
-    if (!failed && uplink.Failed(&failure)) {
+    if (!failed && stream.Failed(&failure)) {
       failed = true;
       watchdog->Estop();
       std::ostringstream line;
@@ -597,28 +257,16 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
     line << " action";
     for (float x : t.action) line << ' ' << x;
     out.Say(line.str());
-    // Read the robot, then send its observation if the stream can take it.
-    earned += static_cast<float>(i + 1);
-    fell_back = fell_back || t.fallback();
-    if (std::optional<Request> lost = uplink.TakeLost()) {
-      earned += lost->reward;
-      fell_back = fell_back || lost->fallback;
-      requests = lost->index;
-    }
-    Request r{i, now, TestObservation(i, obs_dim), earned, fell_back, requests};
-    if (uplink.Post(std::move(r))) {
-      ++requests;
-      earned = 0.0f;
-      fell_back = false;
-    }
+    // Read the robot (the test signal), and hand the stream what it observes and earned.
+    stream.Step(i, now, TestObservation(i, obs_dim), static_cast<float>(i + 1), t.fallback());
     if (failed && watchdog->at_stop_action()) break;  // stopped safely: nothing more to do
   }
-  uplink.Stop();
+  stream.Stop();
   if (failed) return Fail(failure);
   const edgerl::WatchdogStats st = watchdog->stats();
   std::cout << "OK ticks=" << st.ticks << " policy_ticks=" << st.policy_ticks << " fallbacks=" << st.fallbacks
             << " late_actions=" << st.late_actions << " loop_deadline_misses=" << st.loop_deadline_misses
-            << " estops=" << st.estops << " version=" << uplink.version() << std::endl;
+            << " estops=" << st.estops << " version=" << stream.version() << std::endl;
   return 0;
 }
 

@@ -1,0 +1,401 @@
+// edgerl's Act stream for C++ controllers: the helpers every edgerl C++ client needs (tensors,
+// the hello, a step, deadlines) and ControlStream, the stream of a robot behind its watchdog
+// (watchdog.h), reconnects and resumes included. Header only; it needs gRPC, protobuf and the
+// C++ generated from proto/edgerl/v1/edge.proto (CMakeLists.txt generates it).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "edgerl/v1/edge.grpc.pb.h"
+#include "watchdog.h"
+
+namespace edgerl {
+
+// What a stream needs besides the server's address.
+struct StreamOptions {
+  std::string session = "cpp-client";  // StreamHello.session_id: stable across reconnects
+  std::string token;  // a bearer token, if the server asks for one
+  double answer_timeout_s = 2.0;  // an answer later than this ends the stream as broken
+  double reconnect_s = 10.0;  // how long to keep trying to resume a broken stream; 0: never
+};
+
+// A span of the steady clock from seconds.
+inline std::chrono::steady_clock::duration Seconds(double s) {
+  using std::chrono::duration;
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(duration<double>(s));
+}
+
+// Seconds on the steady clock, and back.
+inline double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline std::chrono::steady_clock::time_point At(double seconds) {
+  return std::chrono::steady_clock::time_point(Seconds(seconds));
+}
+
+// Cancels a call whose answer is overdue: armed when a stream opens (a connection that never
+// comes up blocks the opening) and before each step's write and read, disarmed after them.
+// (The synchronous API's writes and reads take no deadline of their own.)
+class Alarm {
+ public:
+  Alarm() : thread_([this] { Run(); }) {}
+  ~Alarm() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Arm(grpc::ClientContext* ctx, std::chrono::steady_clock::time_point at) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ctx_ = ctx;
+      at_ = at;
+    }
+    cv_.notify_all();
+  }
+  // Whether the alarm cancelled the call since it was last disarmed.
+  bool Disarm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx_ = nullptr;
+    const bool fired = fired_;
+    fired_ = false;
+    return fired;
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (ctx_ == nullptr) {
+        cv_.wait(lock);
+      } else if (std::chrono::steady_clock::now() >= at_) {
+        ctx_->TryCancel();
+        ctx_ = nullptr;
+        fired_ = true;
+      } else {
+        cv_.wait_until(lock, at_);
+      }
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  grpc::ClientContext* ctx_ = nullptr;
+  std::chrono::steady_clock::time_point at_;
+  bool fired_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: it starts once the members above are set
+};
+
+// FLOAT32 tensor, little-endian raw bytes (x86 and ARM hosts are little-endian).
+inline v1::Tensor Float32(const std::vector<float>& values, const std::vector<int64_t>& shape) {
+  v1::Tensor t;
+  t.set_dtype(v1::FLOAT32);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+inline std::vector<float> Floats(const v1::Tensor& t) {
+  if (t.dtype() != v1::FLOAT32) throw std::runtime_error("actions: expected FLOAT32");
+  std::vector<float> out(t.data().size() / sizeof(float));
+  std::memcpy(out.data(), t.data().data(), out.size() * sizeof(float));
+  return out;
+}
+
+inline void AddAuth(grpc::ClientContext* ctx, const StreamOptions& o, double deadline_s) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000)));
+  if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
+}
+
+// The first message of a stream of env 0 (one robot, one env). `mid_episode`: a stream after
+// the first, or one that opens after the robot stepped. Every stream resumes the session
+// (StreamHello.resumes): each request carries its number (StepObservation.obs_index).
+inline v1::ActRequest Hello(const StreamOptions& o, const v1::DescribeResponse& info, bool mid_episode) {
+  v1::ActRequest hello;
+  auto* h = hello.mutable_hello();
+  h->set_session_id(o.session);
+  h->set_env_name(info.env_name());
+  h->set_num_envs(1);
+  for (int64_t d : info.observation_space().shape()) h->add_obs_shape(d);
+  h->set_max_inflight(1);
+  h->set_mid_episode(mid_episode);
+  h->set_resumes(true);
+  return hello;
+}
+
+// A step of env 0: its observation, what the actions since its last request earned (reward,
+// and whether any of them was a fallback), and its number among the env's requests.
+inline v1::ActRequest StepRequest(const std::vector<float>& obs, float reward, bool fallback,
+                                  uint64_t index) {
+  v1::ActRequest req;
+  auto* st = req.mutable_step();
+  st->add_env_ids(0);
+  *st->mutable_obs() = Float32(obs, {1, static_cast<int64_t>(obs.size())});
+  st->add_rewards(reward);
+  st->add_terminated(false);
+  st->add_truncated(false);
+  st->add_fallback(fallback);
+  st->add_obs_index(index);
+  return req;
+}
+
+using StubFactory = std::function<std::unique_ptr<v1::EdgePolicy::Stub>()>;
+
+
+
+// A robot's Act stream behind its watchdog, on a thread of its own. It keeps the stream open,
+// reconnecting with backoff and jitter (50 ms to 1 s) on UNAVAILABLE or an overdue answer, on
+// a new connection, and resuming the session (StreamHello.mid_episode and resumes). It sends
+// the observations the control loop hands it with Step(), one request in flight at a time,
+// and hands each answer to the watchdog (Watchdog::Submit), which decides whether it is in
+// time. The loop never waits on it: Step() takes a lock, no more.
+//
+// What the robot earns is carried as the wire contract asks: each request carries the reward
+// of every tick since the robot's previous request, with fallback set if one of those ticks
+// applied a fallback, and its number among the robot's requests (StepObservation.obs_index).
+// The request lost with a broken stream goes into the next one, under its number, so that the
+// server completes the step it answered last with it, or answers it in the lost one's place.
+class ControlStream {
+ public:
+  // `stubs` makes a stub on a new channel for each stream (a local subchannel pool, so that the
+  // new stream does not share a dead connection); `info` is the server's Describe answer; `say`
+  // (if set) gets a line for each reconnect.
+  ControlStream(const StreamOptions& o, const v1::DescribeResponse& info, StubFactory stubs,
+                Watchdog* watchdog, std::function<void(const std::string&)> say = nullptr)
+      : o_(o), info_(info), stubs_(std::move(stubs)), watchdog_(watchdog), say_(std::move(say)),
+        thread_([this] { Run(); }) {}
+  ~ControlStream() { Stop(); }
+
+  // The control loop, after tick `tick` applied its action (a fallback or not) and read the
+  // robot at `time` (Now()): the observation, and the reward the tick's action earned. Sent
+  // at once if the stream is open and has no request in flight; else kept for a later tick.
+  void Step(int64_t tick, double time, std::vector<float> obs, float reward, bool fallback) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stepped_ = true;
+      if (lost_) {  // earned before what the robot earned since
+        earned_ += lost_->reward;
+        fell_back_ = fell_back_ || lost_->fallback;
+        requests_ = lost_->index;
+        lost_.reset();
+      }
+      earned_ += reward;
+      fell_back_ = fell_back_ || fallback;
+      if (!open_ || inflight_ || stop_) return;
+      inflight_ = Request{tick, time, std::move(obs), earned_, fell_back_, requests_++};
+      earned_ = 0.0f;
+      fell_back_ = false;
+    }
+    cv_.notify_all();
+  }
+
+  // The stream ended for good (a status not worth retrying, or no stream within reconnect_s).
+  bool Failed(grpc::Status* why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) *why = status_;
+    return failed_;
+  }
+
+  // The policy version of the last answer.
+  uint64_t version() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return version_;
+  }
+
+  // End the stream (after the answer in flight, at most answer_timeout_s) and the thread.
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::mt19937 rng(std::random_device{}());
+    std::uniform_real_distribution<double> jitter(0.5, 1.0);
+    int reconnects = 0;
+    int attempt = 0;  // since the last answer
+    double outage_since = Now();
+    for (;;) {
+      bool answered = false;
+      grpc::Status s = Serve(&answered);
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_ && s.ok()) return;
+      if (answered) {
+        attempt = 0;
+        outage_since = Now();
+      }
+      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                             s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      if (stop_ || !transient || Now() - outage_since >= o_.reconnect_s) {
+        if (!stop_) {
+          failed_ = true;
+          status_ = s;
+        }
+        return;
+      }
+      ++reconnects;
+      if (say_) {
+        lock.unlock();
+        std::ostringstream line;
+        line << "reconnect " << reconnects << " after " << s.error_code() << ' ' << s.error_message();
+        say_(line.str());
+        lock.lock();
+      }
+      // Jitter: a fleet that lost its server together does not come back in lockstep.
+      const double backoff_ms = std::min(50 << std::min(attempt++, 5), 1000) * jitter(rng);
+      const auto backoff = std::chrono::duration<double, std::milli>(backoff_ms);
+      if (cv_.wait_for(lock, backoff, [this] { return stop_; })) return;
+    }
+  }
+
+  // One stream: open it, send each request the loop hands it and hand each answer to the
+  // watchdog, until the stream breaks (its status) or Stop() (OK). `answered`: an answer came.
+  grpc::Status Serve(bool* answered) {
+    stream_.reset();  // the finished call before its context, and both before their channel
+    ctx_.reset();
+    stub_ = stubs_();
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    AddAuth(ctx_.get(), o_, 3600.0);
+    bool mid_episode = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // Under the lock that Step() takes: a tick either comes before (the stream starts
+      // mid-episode) or finds the stream open and hands its request to it.
+      mid_episode = streams_ > 0 || stepped_;
+      open_ = true;
+    }
+    ++streams_;
+    const auto answer_timeout = Seconds(o_.answer_timeout_s);
+    alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);  // the connection
+    stream_ = stub_->Act(ctx_.get());
+    bool up = stream_->Write(Hello(o_, info_, mid_episode));
+    bool overdue = alarm_.Disarm();
+    up = up && !overdue;
+    uint64_t seq = 0;
+    while (up) {
+      Request r;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stop_ || inflight_; });
+        if (stop_) break;
+        r = *inflight_;
+      }
+      v1::ActRequest req = StepRequest(r.obs, r.reward, r.fallback, r.index);
+      req.mutable_step()->set_seq(seq);
+      v1::ActResponse resp;
+      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
+      const bool ok = stream_->Write(req) && stream_->Read(&resp);
+      overdue = alarm_.Disarm();
+      if (overdue || !ok) {
+        up = false;
+        break;
+      }
+      if (resp.seq() != seq || resp.actions().dtype() != v1::FLOAT32) {
+        std::ostringstream why;
+        why << "protocol: answer for seq " << resp.seq() << " (expected " << seq
+            << ") with actions of dtype " << resp.actions().dtype() << " (expected FLOAT32)";
+        ctx_->TryCancel();
+        stream_->Finish();
+        return Close(grpc::Status(grpc::StatusCode::INTERNAL, why.str()));
+      }
+      ++seq;
+      *answered = true;
+      watchdog_->Submit(Floats(resp.actions()), r.tick, r.time, resp.policy_version(), Now());
+      std::lock_guard<std::mutex> lock(mu_);
+      inflight_.reset();
+      version_ = resp.policy_version();
+    }
+    if (up) {  // Stop(): nothing is in flight on the wire
+      stream_->WritesDone();
+      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
+      grpc::Status s = stream_->Finish();
+      alarm_.Disarm();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        open_ = false;
+      }
+      return s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
+    }
+    grpc::Status s = stream_->Finish();
+    if (overdue) {
+      std::ostringstream why;
+      why << "no answer within " << o_.answer_timeout_s << " s";
+      s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
+    } else if (s.ok()) {  // the server ended the stream with a request unanswered: a new one
+      s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server ended the stream without an answer");
+    }
+    return Close(s);
+  }
+
+  // The stream broke with `s`: the request in flight is lost, for the loop to take back.
+  grpc::Status Close(grpc::Status s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = false;
+    lost_ = std::move(inflight_);
+    inflight_.reset();
+    return s;
+  }
+
+  // A request: the observation read at a tick, and what the robot earned since its last one.
+  struct Request {
+    int64_t tick = 0;
+    double time = 0.0;  // when the observation was read (Now())
+    std::vector<float> obs;
+    float reward = 0.0f;
+    bool fallback = false;
+    uint64_t index = 0;  // StepObservation.obs_index
+  };
+
+  const StreamOptions o_;
+  const v1::DescribeResponse info_;
+  const StubFactory stubs_;
+  Watchdog* const watchdog_;
+  const std::function<void(const std::string&)> say_;
+  // The network thread's own.
+  std::unique_ptr<v1::EdgePolicy::Stub> stub_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ActRequest, v1::ActResponse>> stream_;
+  int streams_ = 0;
+  Alarm alarm_;  // after ctx_ and stream_: it stops before they go
+  // Shared with the loop, under mu_.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;  // a stream takes requests
+  bool stepped_ = false;  // the loop has ticked
+  bool stop_ = false;
+  bool failed_ = false;
+  grpc::Status status_;
+  std::optional<Request> inflight_, lost_;
+  float earned_ = 0.0f;  // the reward since the robot's last request
+  bool fell_back_ = false;  // a fallback since the robot's last request
+  uint64_t requests_ = 0;  // the robot's requests made
+  uint64_t version_ = 0;
+  std::thread thread_;  // last: it starts once the members above are set
+};
+
+}  // namespace edgerl
