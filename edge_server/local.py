@@ -142,7 +142,7 @@ class _LocalStream(asyncio.Protocol):
         self._owner.streams.add(self)
         refused = self._servicer.await_hello()
         if refused is not None:
-            self._refuse(grpc.StatusCode.UNAVAILABLE, refused, quiet=True)
+            self._refuse(grpc.StatusCode.UNAVAILABLE, refused, logged=True)
             return
         self._awaiting = True
         hello_s = self._servicer.hello_timeout_s
@@ -304,14 +304,14 @@ class _LocalStream(asyncio.Protocol):
         if not self._ended and self._transport is not None:
             self._transport.write(data)
 
-    def _refuse(self, code: grpc.StatusCode, message: str, *, quiet: bool = False) -> None:
-        """Send the failure and close the socket; the other streams are not touched. ``quiet``:
-        logged at INFO (one of a flood), not as a warning."""
+    def _refuse(self, code: grpc.StatusCode, message: str, *, logged: bool = False) -> None:
+        """Send the failure and close the socket; the other streams are not touched. ``logged``:
+        the caller has logged the refusal already."""
         if self._ended:
             return
-        name = self._spec.session_id if self._spec is not None else "?"
-        level = logging.INFO if quiet else logging.WARNING
-        log.log(level, "local stream %s refused: %s: %s", name, code.name, message)
+        if not logged:
+            name = self._spec.session_id if self._spec is not None else "?"
+            log.warning("local stream %s refused: %s: %s", name, code.name, message)
         self._write(frames.encode_failure(0, code.name, message))
         self._ended = True
         if self._transport is not None:

@@ -396,7 +396,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 f"max_streams: {waiting} stream(s) have sent no hello yet, the server waits for at "
                 f"most {limit} at once; retry when one has ended"
             )
-            log.info("stream refused: %s", message)  # a flood: not a warning a stream
+            log.info("stream refused: %s", message)  # one of a flood: not a warning each
             return message
         self.streams_awaiting_hello += 1
         return None

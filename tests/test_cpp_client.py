@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto import tensors
@@ -409,6 +410,40 @@ def test_the_watchdog_loop_applies_each_answer_at_the_tick_after_its_observation
     _check_rate_limited(ticks, _echo_of_the_tick_before(ticks), 0.5)
     assert dropped == 0
     assert _check_rows(segments, ticks) >= 75
+
+
+class ChunkEcho(EchoPolicy):
+    """Chunks of 4: action k of the answer to observation o is ``0.5 * o[:2] + 0.1 * k``."""
+
+    chunk = 4
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        res = super().infer(obs)
+        k = np.arange(self.chunk, dtype=np.float32)[None, :, None]
+        return PolicyResult(actions=0.5 * res.actions[:, None, :] + 0.1 * k, log_probs=res.log_probs)
+
+
+def test_the_watchdog_applies_an_answers_chunk_over_the_ticks_after_it(client: Path) -> None:
+    """A server that answers in 30 ms with chunks of 4 actions, at 50 Hz: each answer comes
+    after the tick its first action was meant for, and the ticks after it take the chunk's
+    next actions (action k at the (k+1)-th tick after the observation), so that the loop
+    stays on policy actions, where answers of one action would all be stale."""
+    with ServerThread(ChunkEcho(3, 2, delay_s=0.03)) as srv:
+        args = ("--steps", "100", "--hz", "50", "--watchdog", "--deadline-ms", "100", "--max-delta", "2")
+        out = _run(client, "--server", srv.address, *args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    ticks = _ticks(out.stdout)
+    used = []
+    for i, kind, action in zip(ticks.index, ticks.kind, ticks.action, strict=True):
+        if kind != "policy":
+            continue
+        # the chunk action k of the answer to the observation of tick i - 1 - k
+        chunks = [0.5 * np.sin(0.1 * (i - 1 - k) + np.arange(2)) + 0.1 * k for k in range(4)]
+        ks = [k for k, want in enumerate(chunks) if np.allclose(action, want, atol=2e-5)]
+        assert len(ks) == 1, (i, action)
+        used.append(ks[0])
+    assert len(used) >= 80, ticks.kind
+    assert set(used) <= {1, 2, 3}, used  # never action 0: 30 ms is past the next tick
 
 
 def test_the_watchdog_holds_on_late_answers_and_latches_an_estop(client: Path) -> None:

@@ -160,9 +160,8 @@ inline v1::ActRequest StepRequest(const std::vector<float>& obs, float reward, b
   return req;
 }
 
+// Makes a stub on a channel of its own (one per stream).
 using StubFactory = std::function<std::unique_ptr<v1::EdgePolicy::Stub>()>;
-
-
 
 // A robot's Act stream behind its watchdog, on a thread of its own. It keeps the stream open,
 // reconnecting with backoff and jitter (50 ms to 1 s) on UNAVAILABLE or an overdue answer, on
