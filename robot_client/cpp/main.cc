@@ -18,7 +18,7 @@
 // The loop waits for each answer. With --watchdog it does not: a control loop ticks at --hz
 // behind a safety watchdog (watchdog.h) while a thread of its own talks to the server
 // (edgerl::ControlStream, edge_stream.h), as edgerl's robot host does (see RunWatchdog below).
-// Both headers are for any C++ controller to include.
+// Both headers are for any C++ controller to include. SIGUSR1 resets a latched e-stop.
 //
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
 // connection) or an answer is overdue (a link that died without closing its connection), the
@@ -30,6 +30,7 @@
 // server loses no step of the episode and completes each with its own reward.
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
 #include <fstream>
 #include <iomanip>
@@ -174,6 +175,11 @@ std::vector<float> TestObservation(int64_t step, int64_t obs_dim) {
   return obs;
 }
 
+// The operator's e-stop reset (kill -USR1 PID), as for `edgerl robot`.
+volatile std::sig_atomic_t reset_asked = 0;
+
+extern "C" void AskReset(int) { reset_asked = 1; }
+
 // Whole lines on stdout from more than one thread.
 class Printer {
  public:
@@ -194,8 +200,9 @@ class Printer {
 // and, where no request is in flight, sends the observation with all the robot earned since
 // its last request (fallback set if any of those ticks fell back). A tick found more than a
 // period late skips to the next one due; the ticks skipped count as loop deadline misses.
-// Where the stream ends for good, the watchdog latches an e-stop and the loop runs on until the
-// stop action is reached, then ends with ERROR. Last line: "OK ticks=<n> policy_ticks=<n>
+// SIGUSR1 resets a latched e-stop (the operator's reset: policy actions apply again), unless
+// the stream has ended for good: then the watchdog latches an e-stop and the loop runs on
+// until the stop action is reached, then ends with ERROR. Last line: "OK ticks=<n> policy_ticks=<n>
 // fallbacks=<n> late_actions=<n> loop_deadline_misses=<n> estops=<n> version=<v>".
 int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
                 int64_t obs_dim) {
@@ -222,6 +229,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
   Printer out;
   edgerl::ControlStream stream(o, info, std::move(stubs), watchdog.get(),
                                [&out](const std::string& line) { out.Say(line); });
+  std::signal(SIGUSR1, AskReset);
   const double period = 1.0 / o.hz;
   const double t0 = Now();
   grpc::Status failure;
@@ -242,6 +250,15 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       std::ostringstream line;
       line << "estop the stream ended: " << failure.error_code() << ' ' << failure.error_message();
       out.Say(line.str());
+    }
+    if (reset_asked) {
+      reset_asked = 0;
+      if (failed) {
+        out.Say("estop reset refused: the stream has ended");
+      } else if (watchdog->estopped()) {
+        watchdog->Reset();
+        out.Say("estop reset");
+      }
     }
     const edgerl::Tick t = watchdog->Step(i, now);
     std::ostringstream line;
