@@ -407,12 +407,8 @@ def test_the_watchdog_loop_applies_each_answer_at_the_tick_after_its_observation
         dropped, segments = srv.lost_and_segments()
     assert out.returncode == 0, out.stdout + out.stderr
     ticks, summary = _ticks(out.stdout), _summary(out.stdout)
-    assert (
-        len(ticks.index) + summary["loop_deadline_misses"]
-        == summary["ticks"] + summary["loop_deadline_misses"]
-        == 100
-    )
-    assert all(a < b for a, b in itertools.pairwise(ticks.index))
+    assert len(ticks.index) == summary["ticks"] == 100 - summary["loop_deadline_misses"]
+    assert all(a < b for a, b in itertools.pairwise(ticks.index))  # a tick skipped is one missed
     policy = ticks.kind.count("policy")
     assert (summary["policy_ticks"], summary["fallbacks"]) == (policy, len(ticks.kind) - policy)
     assert policy >= 80, out.stdout  # an echo on loopback answers in about a millisecond
