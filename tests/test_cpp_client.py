@@ -430,6 +430,20 @@ class ChunkEcho(EchoPolicy):
         return PolicyResult(actions=0.5 * res.actions[:, None, :] + 0.1 * k, log_probs=res.log_probs)
 
 
+def _chunk_actions_used(ticks: Ticks) -> list[int]:
+    """Which action of its chunk each policy tick applied, under :class:`ChunkEcho`: action k
+    of the answer to the observation of tick i - 1 - k (exactly one k fits)."""
+    used = []
+    for i, kind, action in zip(ticks.index, ticks.kind, ticks.action, strict=True):
+        if kind != "policy":
+            continue
+        chunks = [0.5 * np.sin(0.1 * (i - 1 - k) + np.arange(2)) + 0.1 * k for k in range(4)]
+        ks = [k for k, want in enumerate(chunks) if np.allclose(action, want, atol=2e-5)]
+        assert len(ks) == 1, (i, action)
+        used.append(ks[0])
+    return used
+
+
 def test_the_watchdog_applies_an_answers_chunk_over_the_ticks_after_it(client: Path) -> None:
     """A server that answers in 30 ms with chunks of 4 actions, at 50 Hz: each answer comes
     after the tick its first action was meant for, and the ticks after it take the chunk's
@@ -439,18 +453,27 @@ def test_the_watchdog_applies_an_answers_chunk_over_the_ticks_after_it(client: P
         args = ("--steps", "100", "--hz", "50", "--watchdog", "--deadline-ms", "100", "--max-delta", "2")
         out = _run(client, "--server", srv.address, *args)
     assert out.returncode == 0, out.stdout + out.stderr
-    ticks = _ticks(out.stdout)
-    used = []
-    for i, kind, action in zip(ticks.index, ticks.kind, ticks.action, strict=True):
-        if kind != "policy":
-            continue
-        # the chunk action k of the answer to the observation of tick i - 1 - k
-        chunks = [0.5 * np.sin(0.1 * (i - 1 - k) + np.arange(2)) + 0.1 * k for k in range(4)]
-        ks = [k for k, want in enumerate(chunks) if np.allclose(action, want, atol=2e-5)]
-        assert len(ks) == 1, (i, action)
-        used.append(ks[0])
-    assert len(used) >= 80, ticks.kind
+    used = _chunk_actions_used(_ticks(out.stdout))
+    assert len(used) >= 80, out.stdout
     assert set(used) <= {1, 2, 3}, used  # never action 0: 30 ms is past the next tick
+
+
+def test_the_watchdog_asks_for_the_next_chunk_when_half_of_the_one_held_is_left(client: Path) -> None:
+    """With chunks of 4 (``Describe``'s ``action_chunk``) the controller takes edgerl robot's
+    defaults: a deadline of the chunk's span (80 ms at 50 Hz) and a refill level of half the
+    chunk. It asked at every tick before; now once every two ticks, on policy actions all
+    along."""
+    with ServerThread(ChunkEcho(3, 2)) as srv:
+        args = ("--steps", "100", "--hz", "50", "--watchdog", "--max-delta", "2")
+        out = _run(client, "--server", srv.address, *args)
+        requests = srv.in_loop(lambda: srv.server.batcher.stats.requests if srv.server else -1)
+    assert out.returncode == 0, out.stdout + out.stderr
+    banner = "watchdog hz 50 deadline_ms 80 refill_at 2 chunk 4 fallback hold estop_after 50"
+    assert banner in out.stdout.splitlines(), out.stdout[:500]
+    ticks = _ticks(out.stdout)
+    used = _chunk_actions_used(ticks)
+    assert len(used) >= 90 and used.count(0) >= 40 and used.count(1) >= 40, used
+    assert isinstance(requests, int) and 45 <= requests <= 55, requests  # one every two ticks
 
 
 def test_the_watchdog_holds_on_late_answers_and_latches_an_estop_until_reset(client: Path) -> None:
@@ -594,6 +617,8 @@ def test_the_watchdog_stops_safely_when_the_server_is_gone(client: Path) -> None
          "--deadline-ms is an option of --watchdog, which is not given"),
         (["--hz", "50", "--watchdog", "--fallback", "brake"], "--fallback must be hold or zero, got 'brake'"),
         (["--hz", "50", "--watchdog", "--deadline-ms", "0"], "--deadline-ms must be > 0"),
+        (["--hz", "50", "--refill-at", "2"], "--refill-at is an option of --watchdog, which is not given"),
+        (["--hz", "50", "--watchdog", "--refill-at", "1.5"], "--refill-at: expected a whole number, got 1.5"),
         (["--hz", "50", "--watchdog", "--estop-after", "-1"],
          "--estop-after must be a number in [0, 2147483647], got -1"),
     ],

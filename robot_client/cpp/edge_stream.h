@@ -187,9 +187,12 @@ class ControlStream {
   ~ControlStream() { Stop(); }
 
   // The control loop, after tick `tick` applied its action (a fallback or not) and read the
-  // robot at `time` (Now()): the observation, and the reward the tick's action earned. Sent
-  // at once if the stream is open and has no request in flight; else kept for a later tick.
-  void Step(int64_t tick, double time, std::vector<float> obs, float reward, bool fallback) {
+  // robot at `time` (Now()): the observation, and the reward the tick's action earned. Where
+  // `ask` (the robot wants its next answer: the one held runs low), the observation is sent at
+  // once if the stream is open and has no request in flight. What the robot earned is kept
+  // for its next request in any case.
+  void Step(int64_t tick, double time, std::vector<float> obs, float reward, bool fallback,
+            bool ask = true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stepped_ = true;
@@ -201,7 +204,7 @@ class ControlStream {
       }
       earned_ += reward;
       fell_back_ = fell_back_ || fallback;
-      if (!open_ || inflight_ || stop_) return;
+      if (!ask || !open_ || inflight_ || stop_) return;
       inflight_ = Request{tick, time, std::move(obs), earned_, fell_back_, requests_++};
       earned_ = 0.0f;
       fell_back_ = false;

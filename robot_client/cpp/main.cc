@@ -5,7 +5,7 @@
 //   edgerl_cpp_client --server HOST:PORT [--steps N] [--hz HZ] [--session ID]
 //                     [--answer-timeout-s S] [--reconnect-s S]
 //                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
-//                     [--watchdog [--deadline-ms MS] [--fallback hold|zero]
+//                     [--watchdog [--deadline-ms MS] [--refill-at N] [--fallback hold|zero]
 //                                 [--estop-after N] [--max-delta D]]
 //
 // Each step sends one StepObservation (env 0) whose observation is a deterministic test
@@ -38,6 +38,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -70,7 +71,12 @@ struct Options : edgerl::StreamOptions {
   std::string ca, cert, key;
   // --watchdog: the fixed-rate loop behind a safety watchdog, which never waits for an answer.
   bool watchdog = false;
-  double deadline_ms = 20.0;  // an answer later than this after its observation is not applied
+  // An answer later than this after its observation is not applied; default: 20 ms, or the
+  // span of the server's chunk of K actions (K / hz).
+  std::optional<double> deadline_ms;
+  // Ask for the next answer when this many actions or fewer are left of the one held; default:
+  // 1, or half the server's chunk (as edgerl robot does).
+  std::optional<int> refill_at;
   std::string fallback = "hold";  // hold | zero: what a tick without a fresh action applies
   int estop_after = 50;  // consecutive fallbacks that latch an e-stop; 0: never
   double max_delta = 0.0;  // largest change of an action entry per tick; 0: 25 % of its range
@@ -137,12 +143,14 @@ Options Parse(int argc, char** argv) {
     else if (a == "--key") o.key = next();
     else if (a == "--watchdog") o.watchdog = true;
     else if (a == "--deadline-ms") o.deadline_ms = Number(a, next(), 0, kMaxSeconds * 1000);
+    else if (a == "--refill-at") o.refill_at = WholeNumber(a, next(), 0, 2147483647);
     else if (a == "--fallback") o.fallback = next();
     else if (a == "--estop-after") o.estop_after = WholeNumber(a, next(), 0, 2147483647);
     else if (a == "--max-delta") o.max_delta = Number(a, next(), 0, 3.4e38);
     else throw std::runtime_error("unknown option " + a);
     if (o.watchdog_option.empty() &&
-        (a == "--deadline-ms" || a == "--fallback" || a == "--estop-after" || a == "--max-delta")) {
+        (a == "--deadline-ms" || a == "--refill-at" || a == "--fallback" || a == "--estop-after" ||
+         a == "--max-delta")) {
       o.watchdog_option = a;
     }
   }
@@ -151,7 +159,7 @@ Options Parse(int argc, char** argv) {
     throw std::runtime_error(o.watchdog_option + " is an option of --watchdog, which is not given");
   }
   if (o.watchdog && !(o.hz > 0)) throw std::runtime_error("--watchdog needs --hz > 0 (the control rate)");
-  if (!(o.deadline_ms > 0)) throw std::runtime_error("--deadline-ms must be > 0");
+  if (o.deadline_ms && !(*o.deadline_ms > 0)) throw std::runtime_error("--deadline-ms must be > 0");
   if (o.fallback != "hold" && o.fallback != "zero") {
     throw std::runtime_error("--fallback must be hold or zero, got '" + o.fallback + "'");
   }
@@ -197,8 +205,11 @@ class Printer {
 // "tick <i> <policy|fallback|estop> version <v> age_ms <ms> at_ms <ms> action <...>" (at_ms:
 // when it ran, since the loop's start; version and age_ms are "-" on fallbacks). Then it reads
 // the robot (the test signal: tick i's observation is that of step i, its action earns i + 1)
-// and, where no request is in flight, sends the observation with all the robot earned since
-// its last request (fallback set if any of those ticks fell back). A tick found more than a
+// and, where the answer held runs low (--refill-at) and no request is in flight, sends the
+// observation with all the robot earned since its last request (fallback set if any of those
+// ticks fell back). A first line gives the settings: "watchdog hz <hz> deadline_ms <ms>
+// refill_at <n> chunk <K> fallback <mode> estop_after <n>" (the deadline and refill level of
+// a server of chunks of K > 1, unless given: the chunk's span K / hz, and K / 2). A tick found more than a
 // period late skips to the next one due; the ticks skipped count as loop deadline misses.
 // SIGUSR1 resets a latched e-stop (the operator's reset: policy actions apply again), unless
 // the stream has ended for good: then the watchdog latches an e-stop and the loop runs on
@@ -213,8 +224,10 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
   std::vector<float> low(act_dim, static_cast<float>(-inf)), high(act_dim, static_cast<float>(inf));
   if (space.low_size() == act_dim) low.assign(space.low().begin(), space.low().end());
   if (space.high_size() == act_dim) high.assign(space.high().begin(), space.high().end());
+  const int64_t chunk = std::max<int64_t>(1, info.action_chunk());
   edgerl::WatchdogConfig config;
-  config.deadline_s = o.deadline_ms / 1000.0;
+  config.deadline_s = o.deadline_ms ? *o.deadline_ms / 1000.0 : chunk > 1 ? chunk / o.hz : 0.02;
+  const int64_t refill_at = o.refill_at ? *o.refill_at : chunk > 1 ? chunk / 2 : 1;
   config.fallback = o.fallback == "zero" ? edgerl::Fallback::kZero : edgerl::Fallback::kHold;
   config.estop_after = o.estop_after;
   config.max_delta = o.max_delta;
@@ -226,6 +239,9 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
               << std::endl;
     return 1;
   }
+  std::cout << "watchdog hz " << o.hz << " deadline_ms " << config.deadline_s * 1000 << " refill_at "
+            << refill_at << " chunk " << chunk << " fallback " << o.fallback << " estop_after "
+            << o.estop_after << std::endl;
   Printer out;
   edgerl::ControlStream stream(o, info, std::move(stubs), watchdog.get(),
                                [&out](const std::string& line) { out.Say(line); });
@@ -273,8 +289,10 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
     line << " action";
     for (float x : t.action) line << ' ' << x;
     out.Say(line.str());
-    // Read the robot (the test signal), and hand the stream what it observes and earned.
-    stream.Step(i, now, TestObservation(i, obs_dim), static_cast<float>(i + 1), t.fallback());
+    // Read the robot (the test signal), and hand the stream what it observes and earned; it
+    // asks for the next answer once the one held runs low.
+    const bool ask = watchdog->Remaining() <= refill_at;
+    stream.Step(i, now, TestObservation(i, obs_dim), static_cast<float>(i + 1), t.fallback(), ask);
     if (failed && watchdog->at_stop_action()) break;  // stopped safely: nothing more to do
   }
   stream.Stop();

@@ -150,6 +150,7 @@ class Watchdog {
     t.index = index;
     std::vector<float> target;
     std::lock_guard<std::mutex> lock(mu_);
+    tick_index_ = index;
     ++stats_.ticks;
     if (!estopped_ && PolicyAction(index, now, &target, &t)) {
       t.kind = TickKind::kPolicy;
@@ -171,6 +172,15 @@ class Watchdog {
     }
     t.action = last_;
     return t;
+  }
+
+  // Policy actions left in the held answer for the ticks after the last one run (a robot asks
+  // for the next answer when this is low: its refill level).
+  int64_t Remaining() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!held_) return 0;
+    const auto k = static_cast<int64_t>(chunk_.actions.size() / act_dim());
+    return std::max<int64_t>(0, k - (tick_index_ - chunk_.obs_tick));
   }
 
   // The loop skipped `ticks` ticks because it ran late: counted, not applied.
@@ -255,6 +265,7 @@ class Watchdog {
   std::vector<float> last_;
   Chunk chunk_;
   bool held_ = false;
+  int64_t tick_index_ = -1;  // the last tick run
   bool estopped_ = false;
   WatchdogStats stats_;
 };

@@ -79,8 +79,15 @@ void AChunkServesTheTicksAfterItsObservation() {
   Check(w.Submit({0.1f, 0.2f, 0.3f}, 0, T(0), 1, T(0) + 0.001), "a chunk of three is taken");
   Same(w.Step(1, T(1)).action, {0.1f}, "chunk action 0 at tick 1");
   Same(w.Step(2, T(2)).action, {0.2f}, "chunk action 1 at tick 2");
+  Check(w.Remaining() == 1, "one action of the chunk left after tick 2");
   Same(w.Step(3, T(3)).action, {0.3f}, "chunk action 2 at tick 3");
+  Check(w.Remaining() == 0, "none left after tick 3");
   Check(w.Step(4, T(4)).kind == TickKind::kFallback, "tick 4: the chunk is spent");
+  Watchdog fresh({-1}, {1}, Config());
+  Check(fresh.Remaining() == 0, "none held: none left");
+  fresh.Step(0, T(0));
+  fresh.Submit({0.1f, 0.2f}, 0, T(0), 1, T(0));
+  Check(fresh.Remaining() == 2, "a chunk of two for the ticks after tick 0: two left");
 }
 
 void ALateOrOlderAnswerIsDropped() {
