@@ -622,6 +622,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             rejected_streams=self.rejected_streams,
             failed_requests=st.failed_requests,
             active_streams=self.active_streams,
+            streams_awaiting_hello=self.streams_awaiting_hello,
             queue_wait_us_p50=percentile(st.queue_wait_us, 50),
             queue_wait_us_p99=percentile(st.queue_wait_us, 99),
             inference_us_p50=percentile(st.inference_us, 50),

@@ -688,6 +688,7 @@ def test_streams_that_have_sent_no_hello_are_bounded_by_max_streams() -> None:
                 healthy = await _healthy_stream(client, "healthy")
                 silent = [pb_grpc.EdgePolicyStub(ch).Act(timeout=30) for _ in range(3)]
                 assert await waited(lambda: server.servicer.streams_awaiting_hello == 3, 5.0)
+                assert (await client.stats()).streams_awaiting_hello == 3
                 with pytest.raises(errors.ServerUnavailableError) as refused:
                     await _round_trip(await _healthy_stream(client, "fourth"))
                 assert refused.value.details == (
@@ -700,6 +701,7 @@ def test_streams_that_have_sent_no_hello_are_bounded_by_max_streams() -> None:
                 await silent[0].write(pb.ActRequest(hello=hello))  # now an open stream
                 silent[1].cancel()  # gone
                 assert await waited(lambda: server.servicer.streams_awaiting_hello == 1, 5.0)
+                assert (await client.stats()).streams_awaiting_hello == 1
                 await silent[0].write(_step(0, [0], np.ones((1, OBS), np.float32)))
                 assert (await silent[0].read()).seq == 0
                 fifth = await _healthy_stream(client, "fifth")
