@@ -201,20 +201,21 @@ class Printer {
 };
 
 // The watchdog mode: tick at --hz on absolute deadlines (t0 + i / hz) and apply the
-// watchdog's action at every tick, whatever the network does. Each tick prints one line:
-// "tick <i> <policy|fallback|estop> version <v> age_ms <ms> at_ms <ms> action <...>" (at_ms:
-// when it ran, since the loop's start; version and age_ms are "-" on fallbacks). Then it reads
-// the robot (the test signal: tick i's observation is that of step i, its action earns i + 1)
-// and, where the answer held runs low (--refill-at) and no request is in flight, sends the
-// observation with all the robot earned since its last request (fallback set if any of those
-// ticks fell back). A first line gives the settings: "watchdog hz <hz> deadline_ms <ms>
-// refill_at <n> chunk <K> fallback <mode> estop_after <n>" (the deadline and refill level of
-// a server of chunks of K > 1, unless given: the chunk's span K / hz, and K / 2). A tick found more than a
-// period late skips to the next one due; the ticks skipped count as loop deadline misses.
-// SIGUSR1 resets a latched e-stop (the operator's reset: policy actions apply again), unless
-// the stream has ended for good: then the watchdog latches an e-stop and the loop runs on
-// until the stop action is reached, then ends with ERROR. Last line: "OK ticks=<n> policy_ticks=<n>
-// fallbacks=<n> late_actions=<n> loop_deadline_misses=<n> estops=<n> version=<v>".
+// watchdog's action at every tick, whatever the network does. A first line gives the settings:
+// "watchdog hz <hz> deadline_ms <ms> refill_at <n> chunk <K> fallback <mode> estop_after <n>"
+// (for a server of chunks of K > 1 the deadline and refill level are, unless given, the
+// chunk's span K / hz and K / 2). Each tick prints one line: "tick <i> <policy|fallback|estop>
+// version <v> age_ms <ms> at_ms <ms> action <...>" (at_ms: when it ran, since the loop's start;
+// version and age_ms are "-" on fallbacks). Then it reads the robot (the test signal: tick i's
+// observation is that of step i, its action earns i + 1) and, where the answer held runs low
+// (--refill-at) and no request is in flight, sends the observation with all the robot earned
+// since its last request (fallback set if any of those ticks fell back). A tick found more
+// than a period late skips to the next one due; the ticks skipped count as loop deadline
+// misses. SIGUSR1 resets a latched e-stop (the operator's reset: policy actions apply again).
+// Where the stream ends for good, the watchdog latches an e-stop that no reset ends, and the
+// loop runs on until the stop action is reached, then ends with ERROR. Last line: "OK
+// ticks=<n> policy_ticks=<n> fallbacks=<n> late_actions=<n> loop_deadline_misses=<n>
+// estops=<n> version=<v>".
 int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
                 int64_t obs_dim) {
   const auto& space = info.action_space();
