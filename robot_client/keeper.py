@@ -324,15 +324,20 @@ class StreamKeeper(Generic[Part]):
 _ROW_FIELDS = ("env_ids", "obs", "rewards", "flags", "obs_index")
 
 
+def row_slices(total: int, max_rows: int) -> list[slice]:
+    """Rows ``0`` to ``total`` in parts of at most ``max_rows``, in order: a message or frame
+    each, for a server that takes ``max_rows`` per batch (its ``max_batch_size``)."""
+    return [slice(start, start + max_rows) for start in range(0, total, max_rows)]
+
+
 def split_rows(rows: ObsRows, max_rows: int) -> Iterator[ObsRows]:
-    """``rows`` in parts of at most ``max_rows`` rows, in order (``rows`` itself where it holds
-    no more): a message or frame each, for a server that takes ``max_rows`` per batch."""
+    """``rows`` in the parts of :func:`row_slices` (``rows`` itself where it holds no more)."""
     total = len(rows.env_ids)
     if total <= max_rows:
         yield rows
         return
-    for start in range(0, total, max_rows):
-        yield ObsRows(*(getattr(rows, f)[start : start + max_rows] for f in _ROW_FIELDS))
+    for part in row_slices(total, max_rows):
+        yield ObsRows(*(getattr(rows, f)[part] for f in _ROW_FIELDS))
 
 
 def concat_rows(parts: list[ObsRows]) -> ObsRows:

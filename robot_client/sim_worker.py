@@ -37,6 +37,7 @@ from edgerl.robot_client.keeper import (
     check_cpus,
     host_session_id,
     mid_episode_settings,
+    row_slices,
     split_rows,
 )
 from edgerl.robot_client.security import ClientSecurity, check_target
@@ -156,8 +157,7 @@ class _Group:
 
     async def send(self, stream: ActStream, max_rows: int) -> None:
         """Send the group's step, in :meth:`messages` messages."""
-        for lo in range(0, len(self.ids), max_rows):
-            rows = slice(lo, lo + max_rows)
+        for rows in row_slices(len(self.ids), max_rows):
             await stream.send(
                 self.ids[rows],
                 self.obs[rows],
@@ -170,14 +170,9 @@ class _Group:
     async def receive(self, stream: ActStream, max_rows: int) -> tuple[np.ndarray, int]:
         """The answer to the group's step: the actions of its messages' answers, joined, and the
         policy version of the last."""
-        res = await stream.recv()
-        if len(self.ids) <= max_rows:
-            return res.actions, res.policy_version
-        parts = [res.actions]
-        for _ in range(1, self.messages(max_rows)):
-            res = await stream.recv()
-            parts.append(res.actions)
-        return np.concatenate(parts), res.policy_version
+        answers = [await stream.recv() for _ in range(self.messages(max_rows))]
+        actions = answers[0].actions if len(answers) == 1 else np.concatenate([a.actions for a in answers])
+        return actions, answers[-1].policy_version
 
     def rows(self) -> frames.ObsRows:
         flags = np.zeros((len(self.ids), 3), np.uint8)

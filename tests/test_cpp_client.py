@@ -332,30 +332,20 @@ def _summary(out: str) -> dict[str, int]:
     return dict(zip(keys, map(int, m.groups()), strict=True))
 
 
-Target = Callable[[int, np.ndarray], np.ndarray]
-
-
-def _check_rate_limited(ticks: Ticks, target: Target, max_delta: float) -> None:
-    """Each tick's action is its target (given the tick's position and the action before)
-    clamped to [-1, 1] and to within ``max_delta`` of the action before (zero before the first)."""
+def _check_rate_limited(ticks: Ticks, max_delta: float) -> None:
+    """Each tick's action under the echo policy: its target clamped to [-1, 1] and to within
+    ``max_delta`` of the action before (zero before the first). A policy tick's target is the
+    answer to the observation of the tick before (action k = obs k = sin(0.1 * tick + k)), a
+    fallback's the action before (hold), an e-stop's the stop action (zero)."""
     prev = np.zeros(ticks.action.shape[1])
-    for pos, action in enumerate(ticks.action):
-        want = np.clip(target(pos, prev), np.maximum(prev - max_delta, -1), np.minimum(prev + max_delta, 1))
-        np.testing.assert_allclose(action, want, atol=2e-5, err_msg=f"tick {ticks.index[pos]}")
+    for i, kind, action in zip(ticks.index, ticks.kind, ticks.action, strict=True):
+        if kind == "policy":
+            target = np.sin(0.1 * (i - 1) + np.arange(2))
+        else:
+            target = prev if kind == "fallback" else np.zeros(2)
+        want = np.clip(target, np.maximum(prev - max_delta, -1), np.minimum(prev + max_delta, 1))
+        np.testing.assert_allclose(action, want, atol=2e-5, err_msg=f"tick {i}")
         prev = action
-
-
-def _echo_of_the_tick_before(ticks: Ticks) -> Target:
-    """The target of a policy tick under the echo policy: the answer to the observation of the
-    tick before (action k = obs k = sin(0.1 * tick + k)); a fallback holds the action before."""
-
-    def target(pos: int, prev: np.ndarray) -> np.ndarray:
-        if ticks.kind[pos] != "policy":
-            return prev
-        echo: np.ndarray = np.sin(0.1 * (ticks.index[pos] - 1) + np.arange(2))
-        return echo
-
-    return target
 
 
 def _check_rows(segments: list[pb.Segment], ticks: Ticks, breaks: int = 0) -> int:
@@ -414,7 +404,7 @@ def test_the_watchdog_loop_applies_each_answer_at_the_tick_after_its_observation
     assert policy >= 80, out.stdout  # an echo on loopback answers in about a millisecond
     assert {v for v, k in zip(ticks.version, ticks.kind, strict=True) if k == "policy"} == {"0"}
     # The echo's action on [-1, 1]: rate-limited to 25 % of the range (0.5) per tick.
-    _check_rate_limited(ticks, _echo_of_the_tick_before(ticks), 0.5)
+    _check_rate_limited(ticks, 0.5)
     assert dropped == 0
     assert _check_rows(segments, ticks) >= 75
 
@@ -508,11 +498,7 @@ def test_the_watchdog_holds_on_late_answers_and_latches_an_estop_until_reset(cli
     assert ticks.kind[first - 9 : first] == ["fallback"] * 9 and ticks.kind[first - 10] == "policy"
     assert ticks.kind[:40].count("policy") >= 30, out
     assert "estop" not in ticks.kind[reset:] and ticks.kind[reset:].count("policy") >= 50, after
-
-    def target(pos: int, prev: np.ndarray) -> np.ndarray:  # the e-stop ramps to zero
-        return np.zeros(2) if ticks.kind[pos] == "estop" else _echo_of_the_tick_before(ticks)(pos, prev)
-
-    _check_rate_limited(ticks, target, 0.1)
+    _check_rate_limited(ticks, 0.1)  # the e-stop ramps to zero
     assert np.all(ticks.action[reset - 1] == 0)  # at the stop action when reset
     assert dropped == 0 and _check_rows(segments, ticks) >= 100
 
@@ -568,7 +554,7 @@ def test_the_watchdog_loop_ticks_on_through_an_outage_and_resumes(
     outage = max(n for _, n in ticks.runs_of("fallback"))
     assert outage >= 10, ticks.kind  # 0.3 s and more of fallbacks: 15 ticks
     assert ticks.kind[-30:].count("policy") >= 20, ticks.kind
-    _check_rate_limited(ticks, _echo_of_the_tick_before(ticks), 0.5)
+    _check_rate_limited(ticks, 0.5)
     assert run.dropped == 0 and _check_rows(run.segments, ticks, breaks=1) >= 100
     tracker = EpisodeTracker()
     assemble(run.segments, None, tracker)
@@ -602,11 +588,7 @@ def test_the_watchdog_stops_safely_when_the_server_is_gone(client: Path) -> None
     assert ticks.index[-1] < 200  # it ended once stopped, not at --steps
     assert np.diff(ticks.at_ms).max() < 200, ticks.at_ms  # the retries held no tick
     assert ticks.at_ms[first] - ticks.at_ms[ticks.kind.index("fallback", 20)] >= 400  # 0.5 s of retries
-
-    def target(pos: int, prev: np.ndarray) -> np.ndarray:
-        return np.zeros(2) if ticks.kind[pos] == "estop" else _echo_of_the_tick_before(ticks)(pos, prev)
-
-    _check_rate_limited(ticks, target, 0.02)
+    _check_rate_limited(ticks, 0.02)
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,35 @@ inline v1::ActRequest StepRequest(const std::vector<float>& obs, float reward, b
   return req;
 }
 
+// The status of a stream whose answer the alarm found overdue.
+inline grpc::Status Overdue(double answer_timeout_s) {
+  std::ostringstream why;
+  why << "no answer within " << answer_timeout_s << " s";
+  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
+}
+
+// The wait before a new stream: 50 ms doubling to 1 s over the attempts since the last answer,
+// times a jitter in [0.5, 1), so that a fleet that lost its server together does not come back
+// in lockstep.
+class Backoff {
+ public:
+  std::chrono::duration<double, std::milli> Delay(int attempt) {
+    return std::chrono::duration<double, std::milli>(std::min(50 << std::min(attempt, 5), 1000) *
+                                                     jitter_(rng_));
+  }
+
+ private:
+  std::mt19937 rng_{std::random_device{}()};
+  std::uniform_real_distribution<double> jitter_{0.5, 1.0};
+};
+
+// The line that tells of reconnect `n`, after the stream broke with `s`.
+inline std::string ReconnectLine(int n, const grpc::Status& s) {
+  std::ostringstream line;
+  line << "reconnect " << n << " after " << s.error_code() << ' ' << s.error_message();
+  return line.str();
+}
+
 // Makes a stub on a channel of its own (one per stream).
 using StubFactory = std::function<std::unique_ptr<v1::EdgePolicy::Stub>()>;
 
@@ -237,8 +266,7 @@ class ControlStream {
 
  private:
   void Run() {
-    std::mt19937 rng(std::random_device{}());
-    std::uniform_real_distribution<double> jitter(0.5, 1.0);
+    Backoff backoff;
     int reconnects = 0;
     int attempt = 0;  // since the last answer
     double outage_since = Now();
@@ -263,15 +291,10 @@ class ControlStream {
       ++reconnects;
       if (say_) {
         lock.unlock();
-        std::ostringstream line;
-        line << "reconnect " << reconnects << " after " << s.error_code() << ' ' << s.error_message();
-        say_(line.str());
+        say_(ReconnectLine(reconnects, s));
         lock.lock();
       }
-      // Jitter: a fleet that lost its server together does not come back in lockstep.
-      const double backoff_ms = std::min(50 << std::min(attempt++, 5), 1000) * jitter(rng);
-      const auto backoff = std::chrono::duration<double, std::milli>(backoff_ms);
-      if (cv_.wait_for(lock, backoff, [this] { return stop_; })) return;
+      if (cv_.wait_for(lock, backoff.Delay(attempt++), [this] { return stop_; })) return;
     }
   }
 
@@ -345,9 +368,7 @@ class ControlStream {
     }
     grpc::Status s = stream_->Finish();
     if (overdue) {
-      std::ostringstream why;
-      why << "no answer within " << o_.answer_timeout_s << " s";
-      s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
+      s = Overdue(o_.answer_timeout_s);
     } else if (s.ok()) {  // the server ended the stream with a request unanswered: a new one
       s = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server ended the stream without an answer");
     }

@@ -372,8 +372,7 @@ int main(int argc, char** argv) {
 
   const auto period = Seconds(o.hz > 0 ? 1.0 / o.hz : 0.0);
   const auto reconnect_for = std::chrono::duration<double>(o.reconnect_s);  // any size
-  std::mt19937 rng(std::random_device{}());
-  std::uniform_real_distribution<double> jitter(0.5, 1.0);
+  edgerl::Backoff backoff;
   auto next_tick = std::chrono::steady_clock::now();
   uint64_t version = 0;
   uint64_t seq = 0;  // this stream's: 0 for its first step
@@ -393,20 +392,13 @@ int main(int argc, char** argv) {
       const bool overdue = alarm.Disarm();
       if (answered && !overdue) break;  // (an answer just as the alarm went off: sent again)
       grpc::Status s = stream->Finish();
-      if (overdue) {
-        std::ostringstream why;
-        why << "no answer within " << o.answer_timeout_s << " s";
-        s = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
-      }
+      if (overdue) s = edgerl::Overdue(o.answer_timeout_s);
       const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE || overdue;
       if (!transient || std::chrono::steady_clock::now() - asked >= reconnect_for) {
         return Fail(s);
       }
-      std::cout << "reconnect " << ++reconnects << " after " << s.error_code() << ' '
-                << s.error_message() << std::endl;
-      // Jitter: a fleet that lost its server together does not come back in lockstep.
-      const double backoff_ms = std::min(50 << std::min(attempt, 5), 1000) * jitter(rng);
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(backoff_ms));
+      std::cout << edgerl::ReconnectLine(++reconnects, s) << std::endl;
+      std::this_thread::sleep_for(backoff.Delay(attempt));
       open();
       seq = 0;
     }
