@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from edgerl.edge_server.backend import PolicyResult
+from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.certs import DevPki, make_dev_pki
 from edgerl.proto import tensors
@@ -242,6 +243,41 @@ def test_without_reconnects_a_broken_stream_ends_the_run(client: Path) -> None:
             out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, out + err
     assert out.splitlines()[-1].startswith("ERROR 14 ") and "reconnect " not in out, out
+
+
+@pytest.mark.parametrize("watchdog", [False, True], ids=["plain", "watchdog"])
+def test_a_hello_the_server_did_not_get_in_time_is_a_broken_stream(
+    client: Path, monkeypatch: pytest.MonkeyPatch, watchdog: bool
+) -> None:
+    """The server refuses a stream whose hello it did not get within its ``hello_timeout_s``
+    with DEADLINE_EXCEEDED (a link that went silent as the stream opened). Python's clients take
+    that for a broken stream, as the watchdog's stream did; the plain loop took it for the
+    server's last word and ended with ``ERROR 4``. Both now open a new stream, and the run goes
+    on to its end."""
+    refusals: list[str] = []
+    overdue = EdgePolicyServicer.hello_overdue
+
+    def first_only(self: EdgePolicyServicer, missing: str = "hello: no StreamHello") -> str:
+        refusals.append(message := overdue(self, missing))
+        self.hello_timeout_s = 10.0  # the next streams' hellos come in time
+        return message
+
+    monkeypatch.setattr(EdgePolicyServicer, "hello_overdue", first_only)
+    mode = ("--watchdog", "--hz", "50") if watchdog else ("--hz", "100")
+    # A limit of 1 us: the first stream is refused before its hello is read.
+    with ServerThread(EchoPolicy(3, 2), hello_timeout_s=1e-6) as srv:
+        out = _run(client, "--server", srv.address, "--steps", "50", *mode)
+    lines = out.stdout.splitlines()
+    assert refusals == ["hello: no StreamHello within 1e-06 s of the stream's start"]
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [line for line in lines if line.startswith("reconnect ")] == [f"reconnect 1 after 4 {refusals[0]}"]
+    if watchdog:
+        summary = _summary(out.stdout)
+        assert summary["ticks"] == 50 - summary["loop_deadline_misses"] and summary["estops"] == 0, summary
+        assert summary["policy_ticks"] >= 25, summary  # answers came on the second stream
+    else:
+        assert lines[-1] == "OK steps=50 version=0"
+        assert [int(m.group(1)) for m in map(STEP.match, lines) if m] == list(range(50))
 
 
 @pytest.mark.parametrize(

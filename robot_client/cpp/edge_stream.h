@@ -167,6 +167,15 @@ inline grpc::Status Overdue(double answer_timeout_s) {
   return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, why.str());
 }
 
+// Whether a stream that ended with `s` is worth a new one: UNAVAILABLE (the server restarted,
+// the network dropped the connection) or DEADLINE_EXCEEDED (an answer overdue here, or a hello
+// the server did not get in time: a link that went silent). Python's clients retry the same
+// two (robot_client.errors.BROKEN_STREAM); any other status is the server's answer for good.
+inline bool Transient(const grpc::Status& s) {
+  return s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+}
+
 // The wait before a new stream: 50 ms doubling to 1 s over the attempts since the last answer,
 // times a jitter in [0.5, 1), so that a fleet that lost its server together does not come back
 // in lockstep.
@@ -193,8 +202,8 @@ inline std::string ReconnectLine(int n, const grpc::Status& s) {
 using StubFactory = std::function<std::unique_ptr<v1::EdgePolicy::Stub>()>;
 
 // A robot's Act stream behind its watchdog, on a thread of its own. It keeps the stream open,
-// reconnecting with backoff and jitter (50 ms to 1 s) on UNAVAILABLE or an overdue answer, on
-// a new connection, and resuming the session (StreamHello.mid_episode and resumes). It sends
+// reconnecting with backoff and jitter (50 ms to 1 s) where it ends with a Transient() status,
+// on a new connection, and resuming the session (StreamHello.mid_episode and resumes). It sends
 // the observations the control loop hands it with Step(), one request in flight at a time,
 // and hands each answer to the watchdog (Watchdog::Submit), which decides whether it is in
 // time. The loop never waits on it: Step() takes a lock, no more.
@@ -279,9 +288,7 @@ class ControlStream {
         attempt = 0;
         outage_since = Now();
       }
-      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                             s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
-      if (stop_ || !transient || Now() - outage_since >= o_.reconnect_s) {
+      if (stop_ || !Transient(s) || Now() - outage_since >= o_.reconnect_s) {
         if (!stop_) {
           failed_ = true;
           status_ = s;

@@ -21,10 +21,10 @@
 // Both headers are for any C++ controller to include. SIGUSR1 resets a latched e-stop.
 //
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
-// connection) or an answer is overdue (a link that died without closing its connection), the
-// client opens a new stream, on a new connection, within --reconnect-s seconds (default 10;
-// 0: never), backing off from 50 ms to 1 s with jitter, and prints "reconnect <n> after
-// <code> <message>" (code 4, DEADLINE_EXCEEDED, for an overdue answer). The new stream
+// connection) or DEADLINE_EXCEEDED (an answer overdue, or the stream's hello not at the server
+// in time: a link that died without closing its connection), the client opens a new stream,
+// on a new connection, within --reconnect-s seconds (default 10; 0: never), backing off from
+// 50 ms to 1 s with jitter, and prints "reconnect <n> after <code> <message>". The new stream
 // resumes the session (StreamHello.mid_episode and resumes): the request whose answer did
 // not come goes again, numbered as before (StepObservation.obs_index, the step), so the
 // server loses no step of the episode and completes each with its own reward.
@@ -393,8 +393,7 @@ int main(int argc, char** argv) {
       if (answered && !overdue) break;  // (an answer just as the alarm went off: sent again)
       grpc::Status s = stream->Finish();
       if (overdue) s = edgerl::Overdue(o.answer_timeout_s);
-      const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE || overdue;
-      if (!transient || std::chrono::steady_clock::now() - asked >= reconnect_for) {
+      if (!edgerl::Transient(s) || std::chrono::steady_clock::now() - asked >= reconnect_for) {
         return Fail(s);
       }
       std::cout << edgerl::ReconnectLine(++reconnects, s) << std::endl;
