@@ -83,8 +83,9 @@ class ThroughputConfig:
     seed: int = 0
     """Seed of envs and weights."""
     network_process: bool | None = None
-    """Each sim worker of async_stream runs its Act stream in a network process of its own;
-    None: chosen with ``worker_cpus`` by :func:`choose_placement`."""
+    """Each sim worker of async_stream runs its Act stream in a network process of its own (not
+    async_local's, which have no gRPC stream); None: chosen with ``worker_cpus`` by
+    :func:`choose_placement`, or by trial (:func:`stream_candidates`)."""
     worker_cpus: str | None = None
     """CPUs of the async_stream sim workers, one each ("auto": the last CPUs, if some are left for
     the server and the network processes, which then run on the others; "off": no pinning);
@@ -93,8 +94,9 @@ class ThroughputConfig:
     """Policy replicas in the async_stream server, each in a process of its own; 0: chosen by
     :func:`choose_placement`. The in-process loop always has one."""
     backfill_envs: int | None = None
-    """Of the envs of async_stream, those stepped by a backfill worker (idle CPU priority, on the
-    server's CPUs); None: chosen by :func:`choose_placement`."""
+    """Of the envs of async_stream and async_local, those stepped by a backfill worker (idle CPU
+    priority, on the server's CPUs); None: chosen by :func:`choose_placement`, and for
+    async_stream by trial where ``network_process`` is None too (:func:`stream_candidates`)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -212,6 +214,72 @@ def choose_placement(env_s: float, inference_s: float, cpus: int) -> Placement:
     if inference_s < NETWORK_PROCESS_BELOW * env_s:
         return Placement("auto", 1, BACKFILL_SHARE, network_process=True)
     return Placement("auto", 1)
+
+
+TRIAL_S = 2.0
+"""Measured seconds of each trial run of a placement that async_stream tries (:func:`try_placements`;
+``seconds`` where shorter)."""
+TRIAL_WARMUP_S = 1.0
+"""Unmeasured seconds before each trial run (``warmup_s`` where shorter)."""
+
+
+def stream_candidates(given: ThroughputConfig, placed: ThroughputConfig) -> list[ThroughputConfig]:
+    """The placements of async_stream that :func:`run` tries before its runs, ``placed`` (``given``
+    placed by :meth:`ThroughputConfig.placed`) first; ``[placed]`` where there is nothing to try.
+
+    Where the workers' cores are the bottleneck, two placements take work off them, and which
+    gains more over gRPC depends on the machine: a backfill worker on the server's idle time
+    (the workers keep their streams), or the streams in network processes (no backfill worker:
+    beside one, a network process loses). On the reference 2-core machine the first gave `mlp`
+    1.0-1.06x the in-process loop; on a 2-core Intel Xeon machine (2026-12-07, 6 s runs in ABBA
+    order) 0.88-0.89x against 1.00-1.03x for the second. Where ``given`` leaves both open and
+    ``placed`` chose a backfill worker, both are tried. async_local keeps ``placed``: its workers
+    have no gRPC stream to move, and there the backfill worker gained (1.26x against 0.95x)."""
+    if given.network_process is None and given.backfill_envs is None and placed.backfill_envs:
+        return [placed, replace(placed, backfill_envs=0, network_process=True)]
+    return [placed]
+
+
+def placement_of(cfg: ThroughputConfig, local: bool = False) -> dict[str, Any]:
+    """Where ``cfg`` runs async_stream's workers (async_local's with ``local``)."""
+    return {
+        "worker_cpus": cfg.worker_cpus,
+        "network_process": bool(cfg.network_process) and not local,
+        "backfill_envs": cfg.backfill_envs or 0,
+    }
+
+
+def describe_placement(cfg: ThroughputConfig, local: bool = False) -> str:
+    """``cfg``'s placement of async_stream's workers (async_local's with ``local``), in words."""
+    stream = "in a network process" if cfg.network_process and not local else "in the worker"
+    return f"sim worker CPUs {cfg.worker_cpus}, stream {stream}, {cfg.backfill_envs or 0} backfill env(s)"
+
+
+def try_placements(
+    candidates: list[ThroughputConfig],
+    measure: Callable[[ThroughputConfig], float],
+    progress: Callable[[str], None] = lambda s: None,
+) -> tuple[ThroughputConfig, list[dict[str, Any]]]:
+    """The candidate under which ``measure`` (async_stream's env steps/s under a config: see
+    :func:`run`) gave the most, each run twice in ABBA order for :data:`TRIAL_S` after
+    :data:`TRIAL_WARMUP_S`; with each candidate's placement and runs (none where there was one
+    candidate: not run)."""
+    if len(candidates) < 2:
+        return candidates[0], []
+    order = list(range(len(candidates)))
+    rates: list[list[float]] = [[] for _ in candidates]
+    for i in order + order[::-1]:
+        c = candidates[i]
+        progress(f"  trying async_stream: {describe_placement(c)}")
+        trial = replace(c, seconds=min(c.seconds, TRIAL_S), warmup_s=min(c.warmup_s, TRIAL_WARMUP_S))
+        rates[i].append(measure(trial))
+        progress(f"    {rates[i][-1]:,.0f} env steps/s")
+    best = max(order, key=lambda i: statistics.fmean(rates[i]))  # the first on a tie
+    tried = [
+        {**placement_of(c), "env_steps_per_s": [round(x, 1) for x in r]}
+        for c, r in zip(candidates, rates, strict=True)
+    ]
+    return candidates[best], tried
 
 
 def inference_cpus() -> int:
@@ -363,6 +431,9 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
 
     The first in-process run comes before the server starts: where ``cfg`` leaves the placement
     open, the time it spent in the envs and in inference chooses it (:func:`choose_placement`).
+    Where that leaves async_stream two placements (:func:`stream_candidates`), short runs of each
+    choose between them before the repeats (:func:`try_placements`); ``placement`` in the result
+    says where each streaming mode's workers ran, and what the trial runs gave.
     """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
@@ -370,12 +441,12 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     probe = SpeedProbe.start(progress)
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
-    cfg = cfg.placed(first[1], first[2], inference_cpus())
-    stream = "in a network process" if cfg.network_process else "in the worker"
+    given, cfg = cfg, cfg.placed(first[1], first[2], inference_cpus())
+    candidates = stream_candidates(given, cfg)
     progress(
-        f"  placement: sim worker CPUs {cfg.worker_cpus}, stream {stream}, "
-        f"{cfg.backfill_envs} backfill env(s), "
-        f"{cfg.replicas} policy replica(s), {cfg.groups} env group(s) per worker"
+        f"  placement: {describe_placement(cfg)}, {cfg.replicas} policy replica(s), "
+        f"{cfg.groups} env group(s) per worker"
+        + (f"; async_stream tries {len(candidates)} placements" if candidates[1:] else "")
     )
     policy = PolicySpec.from_options(cfg, replicas=cfg.replicas)
     server_cpus = cfg.placement()[1]
@@ -383,6 +454,10 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     local_socket = os.path.join(sock_dir.name, LOCAL_SOCKET_NAME)
     server_cfg = ServerConfig(port=0, max_delay_us=cfg.max_delay_us, local_socket=local_socket)
     with sock_dir, ServerProcess(policy, server_cfg, cpus=server_cpus) as server:
+        local_cfg = cfg
+        cfg, tried = try_placements(candidates, lambda c: run_async_stream(c, server.address), progress)
+        if tried:
+            progress(f"  async_stream: {describe_placement(cfg)}")
         for r in range(cfg.repeats):
             for mode in MODES:
                 if r or mode != "sync_inprocess":
@@ -394,7 +469,10 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                     sps = run_sync_unary(cfg, server.address)
                 else:
                     before = server_stats(server.address)
-                    sps = run_async_stream(cfg, server.address, local_socket if mode == "async_local" else "")
+                    if mode == "async_local":
+                        sps = run_async_stream(local_cfg, server.address, local_socket)
+                    else:
+                        sps = run_async_stream(cfg, server.address)
                     after = server_stats(server.address)
                     stream_stats[mode] = mode_stats(stream_stats.get(mode), before, after)
                 runs[mode].append(sps)
@@ -404,6 +482,12 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     return {
         "bench": "throughput",
         "config": asdict(cfg),
+        # where each streaming mode's workers ran, and the placements async_stream tried (if any)
+        "placement": {
+            "async_stream": placement_of(cfg),
+            "async_local": placement_of(local_cfg, local=True),
+            "tried": tried,
+        },
         **{m: round(med[m], 1) for m in MODES},
         "overlap_bound": round(overlap, 3),
         "ratios": {

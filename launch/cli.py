@@ -218,8 +218,8 @@ def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> N
         help="each sim worker runs its Act stream in a network process of its own: the worker's "
         "core only steps envs (worth it where that core is the bottleneck and another has room)"
         + (
-            f"; unset: on where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping and "
-            "no backfill worker takes the server's idle time"
+            f"; unset: where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping, tried "
+            "against a backfill worker (if the backfill envs are unset too) or on without one"
             if chosen
             else ""
         ),

@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -344,6 +345,83 @@ def test_bench_throughput_places_the_worker_by_what_costs_more() -> None:
         assert (placed.backfill_envs, placed.network_process) == (given_envs, leaves)
     with pytest.raises(ValueError, match="replicas must be >= 0"):
         ThroughputConfig(replicas=-1)
+
+
+def _placement_trial(a: Any, b: Any, rates: dict[int, list[float]]) -> tuple[Any, list[Any], list[Any]]:
+    """``try_placements([a, b], ...)`` where each run gives the next of its backfill's ``rates``, and
+    the configs it ran."""
+    from edgerl.launch.bench_throughput import ThroughputConfig, try_placements
+
+    runs = {k: iter(v) for k, v in rates.items()}
+    asked: list[ThroughputConfig] = []
+
+    def measure(c: ThroughputConfig) -> float:
+        asked.append(c)
+        return next(runs[c.backfill_envs or 0])
+
+    return (*try_placements([a, b], measure), asked)
+
+
+def test_bench_throughput_tries_both_ways_off_a_busy_workers_core_where_both_are_open() -> None:
+    from edgerl.launch.bench_throughput import (
+        TRIAL_S,
+        TRIAL_WARMUP_S,
+        ThroughputConfig,
+        stream_candidates,
+        try_placements,
+    )
+
+    backfilled = ThroughputConfig(worker_cpus="auto", backfill_envs=24, network_process=False)
+    # inference cheap beside env stepping, nothing given: a backfill worker, or the streams in
+    # network processes without one
+    assert stream_candidates(ThroughputConfig(), backfilled) == [
+        backfilled,
+        dataclasses.replace(backfilled, backfill_envs=0, network_process=True),
+    ]
+    # either given, or no backfill worker chosen (the server's core the busier): nothing to try
+    assert stream_candidates(ThroughputConfig(network_process=False), backfilled) == [backfilled]
+    assert stream_candidates(ThroughputConfig(backfill_envs=24), backfilled) == [backfilled]
+    large = dataclasses.replace(backfilled, backfill_envs=0)
+    assert stream_candidates(ThroughputConfig(), large) == [large]
+
+    a, b = stream_candidates(ThroughputConfig(), backfilled)
+    in_worker = {"worker_cpus": "auto", "network_process": False, "backfill_envs": 24}
+    in_np = {"worker_cpus": "auto", "network_process": True, "backfill_envs": 0}
+    for rates, chosen in (
+        ({24: [900.0, 1000.0], 0: [1000.0, 1100.0]}, b),
+        ({24: [5.0, 5.0], 0: [4.0, 6.0]}, a),  # a tie
+    ):
+        best, tried, asked = _placement_trial(a, b, rates)
+        assert best == chosen  # the higher mean; the first on a tie
+        assert [c.backfill_envs for c in asked] == [24, 0, 0, 24]  # ABBA
+        assert all((c.seconds, c.warmup_s) == (TRIAL_S, TRIAL_WARMUP_S) for c in asked)  # short runs
+        assert tried == [{**in_worker, "env_steps_per_s": rates[24]}, {**in_np, "env_steps_per_s": rates[0]}]
+    assert try_placements([large], lambda c: pytest.fail("one candidate: nothing to run")) == (large, [])
+
+
+def test_bench_throughput_tries_placements_on_a_real_server() -> None:
+    """The trial of :func:`try_placements` as ``bench throughput`` runs it: sim workers streaming
+    to a real server, beside a backfill worker and with their streams in network processes."""
+    from edgerl.edge_server.server import ServerConfig
+    from edgerl.launch.bench_throughput import (
+        ThroughputConfig,
+        run_async_stream,
+        stream_candidates,
+        try_placements,
+    )
+    from edgerl.launch.processes import PolicySpec, ServerProcess, server_stats
+
+    given = ThroughputConfig(env="InvertedPendulum-v5", envs=8, seconds=1.0, warmup_s=0.3)
+    placed = dataclasses.replace(given, worker_cpus="auto", backfill_envs=3, network_process=False)
+    candidates = stream_candidates(given, placed)
+    with ServerProcess(PolicySpec.from_options(placed, replicas=1), ServerConfig(port=0)) as server:
+        best, tried = try_placements(candidates, lambda c: run_async_stream(c, server.address))
+        served = server_stats(server.address)["rows"]
+    assert [(t["network_process"], t["backfill_envs"]) for t in tried] == [(False, 3), (True, 0)]
+    runs = [t["env_steps_per_s"] for t in tried]
+    assert all(len(r) == 2 and min(r) > 0 for r in runs), runs
+    assert best == candidates[0 if sum(runs[0]) >= sum(runs[1]) else 1]
+    assert served >= sum(x * 1.0 for r in runs for x in r)  # each counted 1 s of steps, all served
 
 
 def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
@@ -793,6 +871,19 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
     assert result["config"]["replicas"] == 1  # inference costs less than env stepping: one copy
     c = result["config"]  # the placement was chosen from the first in-process run
     assert c["worker_cpus"] in ("auto", "off") and isinstance(c["network_process"], bool)
+    placed, tried = result["placement"], result["placement"]["tried"]
+    assert placed["async_stream"] == {k: c[k] for k in ("worker_cpus", "network_process", "backfill_envs")}
+    assert placed["async_local"]["network_process"] is False  # no gRPC stream to move
+    if placed["async_local"]["backfill_envs"]:  # chosen: async_stream tried the streams' other way
+        assert [(t["network_process"], t["backfill_envs"]) for t in tried] == [
+            (False, placed["async_local"]["backfill_envs"]),
+            (True, 0),
+        ]
+        assert all(len(t["env_steps_per_s"]) == 2 and min(t["env_steps_per_s"]) > 0 for t in tried)
+        best = max(tried, key=lambda t: sum(t["env_steps_per_s"]))
+        assert placed["async_stream"] == {k: v for k, v in best.items() if k != "env_steps_per_s"}
+    else:  # none (the machine's costs decide): nothing to try
+        assert tried == [] and placed["async_stream"] == placed["async_local"]
     assert (result["config"]["envs"], result["config"]["seconds"]) == (8, 1.5)
     assert result["ratios"]["async_stream/sync_unary"] == pytest.approx(
         result["async_stream"] / result["sync_unary"], rel=1e-2
