@@ -230,7 +230,7 @@ def stream_candidates(given: ThroughputConfig, placed: ThroughputConfig) -> list
     Where the workers' cores are the bottleneck, two placements take work off them, and which
     gains more over gRPC depends on the machine: a backfill worker on the server's idle time
     (the workers keep their streams), or the streams in network processes (no backfill worker:
-    beside one, a network process loses). On the reference 2-core machine the first gave `mlp`
+    beside one, a network process loses). On the reference 2-core machine the first gave ``mlp``
     1.0-1.06x the in-process loop; on a 2-core Intel Xeon machine (2026-12-07, 6 s runs in ABBA
     order) 0.88-0.89x against 1.00-1.03x for the second. Where ``given`` leaves both open and
     ``placed`` chose a backfill worker, both are tried. async_local keeps ``placed``: its workers
@@ -249,9 +249,9 @@ def placement_of(cfg: ThroughputConfig, local: bool = False) -> dict[str, Any]:
     }
 
 
-def describe_placement(cfg: ThroughputConfig, local: bool = False) -> str:
-    """``cfg``'s placement of async_stream's workers (async_local's with ``local``), in words."""
-    stream = "in a network process" if cfg.network_process and not local else "in the worker"
+def describe_placement(cfg: ThroughputConfig) -> str:
+    """``cfg``'s placement of async_stream's workers, in words."""
+    stream = "in a network process" if cfg.network_process else "in the worker"
     return f"sim worker CPUs {cfg.worker_cpus}, stream {stream}, {cfg.backfill_envs or 0} backfill env(s)"
 
 
