@@ -201,6 +201,31 @@ inline std::string ReconnectLine(int n, const grpc::Status& s) {
 // Makes a stub on a channel of its own (one per stream).
 using StubFactory = std::function<std::unique_ptr<v1::EdgePolicy::Stub>()>;
 
+// An Act call: the stub of its channel, its context and its stream, which go in the order gRPC
+// needs (the finished call before its context, both before their channel). Declare the Alarm
+// that watches it after it, so that the alarm stops first.
+struct ActCall {
+  std::unique_ptr<v1::EdgePolicy::Stub> stub;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ActRequest, v1::ActResponse>> stream;
+
+  // Drops the call before (if any) and opens a new one, on a new channel from `stubs` where
+  // `new_channel` or there is no stub yet, and writes `hello`. `alarm` is armed answer_timeout_s
+  // ahead first (a connection that never comes up blocks the opening) and left armed. Whether
+  // the hello was written; a failure also shows at the first step's write or read.
+  bool Open(const StubFactory& stubs, bool new_channel, const StreamOptions& o, Alarm* alarm,
+            const v1::ActRequest& hello) {
+    stream.reset();
+    ctx.reset();
+    if (new_channel || !stub) stub = stubs();
+    ctx = std::make_unique<grpc::ClientContext>();
+    AddAuth(ctx.get(), o, 3600.0);
+    alarm->Arm(ctx.get(), std::chrono::steady_clock::now() + Seconds(o.answer_timeout_s));
+    stream = stub->Act(ctx.get());  // waits for the connection
+    return stream->Write(hello);
+  }
+};
+
 // A robot's Act stream behind its watchdog, on a thread of its own. It keeps the stream open,
 // reconnecting with backoff and jitter (50 ms to 1 s) where it ends with a Transient() status,
 // on a new connection, and resuming the session (StreamHello.mid_episode and resumes). It sends
@@ -308,11 +333,6 @@ class ControlStream {
   // One stream: open it, send each request the loop hands it and hand each answer to the
   // watchdog, until the stream breaks (its status) or Stop() (OK). `answered`: an answer came.
   grpc::Status Serve(bool* answered) {
-    stream_.reset();  // the finished call before its context, and both before their channel
-    ctx_.reset();
-    stub_ = stubs_();
-    ctx_ = std::make_unique<grpc::ClientContext>();
-    AddAuth(ctx_.get(), o_, 3600.0);
     bool mid_episode = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -323,9 +343,7 @@ class ControlStream {
     }
     ++streams_;
     const auto answer_timeout = Seconds(o_.answer_timeout_s);
-    alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);  // the connection
-    stream_ = stub_->Act(ctx_.get());
-    bool up = stream_->Write(Hello(o_, info_, mid_episode));
+    bool up = call_.Open(stubs_, true, o_, &alarm_, Hello(o_, info_, mid_episode));
     bool overdue = alarm_.Disarm();
     up = up && !overdue;
     uint64_t seq = 0;
@@ -340,8 +358,8 @@ class ControlStream {
       v1::ActRequest req = StepRequest(r.obs, r.reward, r.fallback, r.index);
       req.mutable_step()->set_seq(seq);
       v1::ActResponse resp;
-      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
-      const bool ok = stream_->Write(req) && stream_->Read(&resp);
+      alarm_.Arm(call_.ctx.get(), std::chrono::steady_clock::now() + answer_timeout);
+      const bool ok = call_.stream->Write(req) && call_.stream->Read(&resp);
       overdue = alarm_.Disarm();
       if (overdue || !ok) {
         up = false;
@@ -351,8 +369,8 @@ class ControlStream {
         std::ostringstream why;
         why << "protocol: answer for seq " << resp.seq() << " (expected " << seq
             << ") with actions of dtype " << resp.actions().dtype() << " (expected FLOAT32)";
-        ctx_->TryCancel();
-        stream_->Finish();
+        call_.ctx->TryCancel();
+        call_.stream->Finish();
         return Close(grpc::Status(grpc::StatusCode::INTERNAL, why.str()));
       }
       ++seq;
@@ -363,9 +381,9 @@ class ControlStream {
       version_ = resp.policy_version();
     }
     if (up) {  // Stop(): nothing is in flight on the wire
-      stream_->WritesDone();
-      alarm_.Arm(ctx_.get(), std::chrono::steady_clock::now() + answer_timeout);
-      grpc::Status s = stream_->Finish();
+      call_.stream->WritesDone();
+      alarm_.Arm(call_.ctx.get(), std::chrono::steady_clock::now() + answer_timeout);
+      grpc::Status s = call_.stream->Finish();
       alarm_.Disarm();
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -373,7 +391,7 @@ class ControlStream {
       }
       return s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
     }
-    grpc::Status s = stream_->Finish();
+    grpc::Status s = call_.stream->Finish();
     if (overdue) {
       s = Overdue(o_.answer_timeout_s);
     } else if (s.ok()) {  // the server ended the stream with a request unanswered: a new one
@@ -407,11 +425,9 @@ class ControlStream {
   Watchdog* const watchdog_;
   const std::function<void(const std::string&)> say_;
   // The network thread's own.
-  std::unique_ptr<v1::EdgePolicy::Stub> stub_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::ActRequest, v1::ActResponse>> stream_;
+  ActCall call_;
   int streams_ = 0;
-  Alarm alarm_;  // after ctx_ and stream_: it stops before they go
+  Alarm alarm_;  // after call_: it stops before the call goes
   // Shared with the loop, under mu_.
   std::mutex mu_;
   std::condition_variable cv_;

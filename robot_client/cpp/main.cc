@@ -351,22 +351,15 @@ int main(int argc, char** argv) {
 
   // The Act stream: hello first, then one step per loop iteration. A stream after the first
   // resumes the session: the envs are mid-episode, and the request left unanswered goes again.
-  using Stream = grpc::ClientReaderWriter<edgerl::v1::ActRequest, edgerl::v1::ActResponse>;
-  std::unique_ptr<grpc::ClientContext> ctx;
-  std::unique_ptr<Stream> stream;
+  edgerl::ActCall call;
+  call.stub = std::move(stub);  // the first stream goes on Describe's channel
   int streams = 0;
   const auto answer_timeout = Seconds(o.answer_timeout_s);
-  Alarm alarm;  // after ctx and stream: it stops before they go
+  Alarm alarm;  // after call: it stops before the call goes
   auto open = [&]() {
-    stream.reset();  // the finished call before its context, and both before their channel
-    ctx.reset();
-    if (streams > 0) stub = stubs();
-    ctx = std::make_unique<grpc::ClientContext>();
-    AddAuth(ctx.get(), o, 3600.0);
-    alarm.Arm(ctx.get(), std::chrono::steady_clock::now() + answer_timeout);  // to the 1st step
-    stream = stub->Act(ctx.get());  // waits for the connection
-    // A failure (or the alarm) shows at the first step's write or read.
-    stream->Write(Hello(o, info, streams++ > 0));
+    // The alarm stays armed to the first step: a failure (or the alarm) shows at its write or read.
+    call.Open(stubs, streams > 0, o, &alarm, Hello(o, info, streams > 0));
+    ++streams;
   };
   open();
 
@@ -387,11 +380,11 @@ int main(int argc, char** argv) {
     const auto asked = std::chrono::steady_clock::now();
     for (int attempt = 0;; ++attempt) {
       st->set_seq(seq);
-      alarm.Arm(ctx.get(), std::chrono::steady_clock::now() + answer_timeout);
-      const bool answered = stream->Write(req) && stream->Read(&resp);
+      alarm.Arm(call.ctx.get(), std::chrono::steady_clock::now() + answer_timeout);
+      const bool answered = call.stream->Write(req) && call.stream->Read(&resp);
       const bool overdue = alarm.Disarm();
       if (answered && !overdue) break;  // (an answer just as the alarm went off: sent again)
-      grpc::Status s = stream->Finish();
+      grpc::Status s = call.stream->Finish();
       if (overdue) s = edgerl::Overdue(o.answer_timeout_s);
       if (!edgerl::Transient(s) || std::chrono::steady_clock::now() - asked >= reconnect_for) {
         return Fail(s);
@@ -419,8 +412,8 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_until(next_tick);
     }
   }
-  stream->WritesDone();
-  grpc::Status s = stream->Finish();
+  call.stream->WritesDone();
+  grpc::Status s = call.stream->Finish();
   if (!s.ok()) return Fail(s);
   std::cout << "OK steps=" << o.steps << " version=" << version << std::endl;
   return 0;
