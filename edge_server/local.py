@@ -43,6 +43,7 @@ from edgerl.edge_server.batcher import (
 from edgerl.edge_server.service import (
     STEP_REFUSALS,
     EdgePolicyServicer,
+    HelloWait,
     answer_failure,
     own_fault,
     step_refusal,
@@ -134,17 +135,16 @@ class _LocalStream(asyncio.Protocol):
         self._pending: deque[_Pending] = deque()
         self._ended = False
         self._no_hello: asyncio.TimerHandle | None = None
-        self._awaiting = False  # counted in the servicer's streams_awaiting_hello
+        self._hello = HelloWait(None)  # its count in the servicer's streams_awaiting_hello
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream socket's (uvloop's is no subclass)
         self._owner.streams.add(self)
-        refused = self._servicer.await_hello()
-        if refused is not None:
-            self._refuse(grpc.StatusCode.UNAVAILABLE, refused, logged=True)
+        hello = self._hello = self._servicer.await_hello()
+        if hello.refused is not None:
+            self._refuse(grpc.StatusCode.UNAVAILABLE, hello.refused, logged=True)
             return
-        self._awaiting = True
         hello_s = self._servicer.hello_timeout_s
         if hello_s:
             self._no_hello = asyncio.get_running_loop().call_later(hello_s, self._hello_overdue)
@@ -175,7 +175,7 @@ class _LocalStream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
-        self._settled()
+        self._hello.came()  # or never will
         if self._no_hello is not None:
             self._no_hello.cancel()
         self._owner.streams.discard(self)
@@ -203,16 +203,10 @@ class _LocalStream(asyncio.Protocol):
                 f"frame: {size} bytes, more than the server's max_message_bytes ({limit})",
             )
 
-    def _settled(self) -> None:
-        """The first frame came, or the stream ended: it no longer waits for its settings."""
-        if self._awaiting:
-            self._awaiting = False
-            self._servicer.hello_came()
-
     def _on_frame(self, payload: bytes) -> None:
         kind = payload[:1]
         if self._spec is None:
-            self._settled()
+            self._hello.came()  # the settings frame, or what is refused in its place
             if kind != frames.CONFIG:
                 raise InvalidRequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,

@@ -78,8 +78,8 @@ class _Opened(_Reads):
     handles: list[StreamHandle] = field(default_factory=list)
     slots: StreamSlots | None = None
     """The stream's batcher slots, once its hello came and was let in."""
-    hello_awaited: bool = True
-    """No hello has come yet (counted in ``EdgePolicyServicer.streams_awaiting_hello``)."""
+    hello: HelloWait = field(default_factory=lambda: HelloWait(None))
+    """The stream's count among those whose hello has not come."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,25 @@ def _response(seq: int, env_ids: list[int], res: BatchResult) -> pb.ActResponse:
         inference_us=res.inference_us,
         batch_rows=res.batch_rows,
     )
+
+
+class HelloWait:
+    """An Act stream (over gRPC or the local socket) counted in
+    :attr:`EdgePolicyServicer.streams_awaiting_hello` from its start until :meth:`came`, or one
+    refused for ``max_streams`` (:attr:`refused`, the message of its UNAVAILABLE), never counted."""
+
+    __slots__ = ("_servicer", "refused")
+
+    def __init__(self, servicer: EdgePolicyServicer | None, refused: str | None = None) -> None:
+        self._servicer = servicer
+        self.refused = refused
+
+    def came(self) -> None:
+        """The stream sent its first message (its hello, or what is refused in its place), or
+        ended: it no longer counts. Only the first call counts; the later ones do nothing."""
+        if self._servicer is not None:
+            self._servicer.streams_awaiting_hello -= 1
+            self._servicer = None
 
 
 class StreamLimitError(Exception):
@@ -332,12 +351,12 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     async def Act(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[pb.ActRequest | Unparsed], context: grpc.aio.ServicerContext
     ) -> None:
-        refused = self.await_hello()
-        if refused is not None:
+        hello = self.await_hello()
+        if hello.refused is not None:
             await drop_until_quiet(request_iterator)  # so that the client reads the refusal
-            await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, hello.refused)
         pending: asyncio.Queue[_Pending | _Abort | None] = asyncio.Queue()
-        opened = _Opened()
+        opened = _Opened(hello=hello)
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._read_stream(request_iterator, pending, opened))
         no_hello = (
@@ -371,7 +390,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
         finally:
             if no_hello is not None:
                 no_hello.cancel()
-            self._hello_came(opened)  # or never will
+            hello.came()  # or never will
             self.active_streams -= 1
             reader.cancel()
             if opened.slots is not None:  # its queued requests too: no one reads their answers
@@ -384,11 +403,11 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 for handle in opened.handles:
                     store.close_stream(handle)
 
-    def await_hello(self) -> str | None:
+    def await_hello(self) -> HelloWait:
         """A stream (over gRPC or the local socket) starts: count it among those that have sent
-        no hello, or refuse it, returning the message for its UNAVAILABLE, where ``max_streams``
-        wait already (each holds some memory until its hello or ``hello_timeout_s``: ~26 KB over
-        gRPC). Each stream counted is let go once by :meth:`hello_came`."""
+        no hello until its :meth:`HelloWait.came`, or refuse it (:attr:`HelloWait.refused`, for
+        its UNAVAILABLE) where ``max_streams`` wait already: each holds some memory until its
+        hello or ``hello_timeout_s`` (~26 KB over gRPC)."""
         waiting, limit = self.streams_awaiting_hello, self.limits.max_streams
         if waiting >= limit:
             self.rejected_streams += 1
@@ -397,19 +416,9 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                 f"most {limit} at once; retry when one has ended"
             )
             log.info("stream refused: %s", message)  # one of a flood: not a warning each
-            return message
+            return HelloWait(None, message)
         self.streams_awaiting_hello += 1
-        return None
-
-    def hello_came(self) -> None:
-        """A stream counted by :meth:`await_hello` sent its first message (its hello, or what is
-        refused in its place), or ended."""
-        self.streams_awaiting_hello -= 1
-
-    def _hello_came(self, opened: _Opened) -> None:
-        if opened.hello_awaited:
-            opened.hello_awaited = False
-            self.hello_came()
+        return HelloWait(self)
 
     def hello_overdue(self, missing: str = "hello: no StreamHello") -> str:
         """The refusal of a stream without its hello ``hello_timeout_s`` after its start (counted
@@ -445,7 +454,7 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
                     raise BatcherClosedError("server is shutting down")
                 kind = req.WhichOneof("kind")
                 if spec is None:
-                    self._hello_came(opened)
+                    opened.hello.came()
                     if kind != "hello":
                         raise InvalidRequestError(
                             grpc.StatusCode.FAILED_PRECONDITION,
