@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import SpeedProbe
+from edgerl.launch.machine import CpuMeter, SpeedProbe
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -204,6 +204,8 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
                 for link in host.links:
                     link.reset_stats()
                 conn.send("ok")
+            elif cmd == "network_pid":
+                conn.send(host.network_pid)
             elif cmd == "mark":
                 marks = [link.watchdog.stats(percentiles=False).policy_ticks for link in host.links]
                 conn.send("ok")
@@ -232,12 +234,17 @@ def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn
             conn.send("stopped")
 
 
+def robot_bounds(cfg: BenchRobotConfig) -> list[int]:
+    """Where each robot process's robots begin, and the end: process ``i`` runs robots
+    ``bounds[i]`` to ``bounds[i + 1] - 1``."""
+    return [cfg.robots * i // cfg.processes for i in range(cfg.processes + 1)]
+
+
 class _Fleet:
     def __init__(self, cfg: BenchRobotConfig, server: str) -> None:
         self.procs: list[Any] = []
         self.conns: list[multiprocessing.connection.Connection] = []
-        bounds = [cfg.robots * i // cfg.processes for i in range(cfg.processes + 1)]
-        for lo, hi in itertools.pairwise(bounds):
+        for lo, hi in itertools.pairwise(robot_bounds(cfg)):
             parent, child = _CTX.Pipe()
             p = _CTX.Process(target=_robot_main, args=(cfg, server, lo, hi - lo, child), daemon=True)
             p.start()
@@ -324,6 +331,36 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
     }
 
 
+BUSY_CORES = 0.9
+"""A robot process that used this much of a core in the steady phase is said to be near its limit:
+on the reference machine one of 100 HalfCheetah robots at 50 Hz used 0.73-0.75 in a quiet spell and
+0.84-0.93 in a noisy one, and at 1.0 (a machine 2.2x slower) 22-45 % of its ticks fell back."""
+
+
+def _cpu_cores(cores: list[float | None], robot_processes: int) -> dict[str, Any]:
+    """``CpuMeter.cores`` of the server, the robot processes and their network processes (in that
+    order), as the report's ``cpu_cores``."""
+    return {
+        "server": cores[0],
+        "robot_processes": cores[1 : 1 + robot_processes],
+        "network_processes": cores[1 + robot_processes :],
+    }
+
+
+def busy_robot_processes(cores: list[float | None], cfg: BenchRobotConfig) -> list[str]:
+    """A line for each robot process that used :data:`BUSY_CORES` of a core or more: one that
+    runs behind on every slot answers late, and its robots fall back for it, whatever the
+    server does."""
+    bounds = robot_bounds(cfg)
+    return [
+        f"robot process {i} used {c:.2f} of a core: its {hi - lo} robots at {cfg.hz:g} Hz are near "
+        "its limit on this machine, so it runs behind and its robots fall back, whatever the "
+        "server does (give fewer robots to each process: --processes)"
+        for i, (c, (lo, hi)) in enumerate(zip(cores, itertools.pairwise(bounds), strict=True))
+        if c is not None and c >= BUSY_CORES
+    ]
+
+
 def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready report."""
     configure_logging(cfg.log_level)
@@ -346,11 +383,17 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         time.sleep(cfg.warmup_s)
         fleet.ask("reset")
         progress(f"measuring {cfg.duration_s:.0f}s at {cfg.hz:g} Hz")
+        network_pids = [pid for pid in fleet.ask("network_pid") if pid is not None]
+        robot_pids = [p.pid for p in fleet.procs]
+        meter = CpuMeter([server.pid or 0, *robot_pids, *network_pids])
         t0 = time.monotonic()
         time.sleep(cfg.duration_s)
         got = _collect(fleet)
         steady = _summary(got.robots, time.monotonic() - t0, cfg.hz)
         steady.update(reconnects=got.reconnects, messages_per_s=got.messages / max(1e-9, steady["seconds"]))
+        steady["cpu_cores"] = _cpu_cores(meter.cores(), len(robot_pids))
+        for line in busy_robot_processes(steady["cpu_cores"]["robot_processes"], cfg):
+            progress(line)
         report: dict[str, Any] = {
             "bench": "robot",
             "config": asdict(cfg),

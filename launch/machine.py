@@ -101,3 +101,39 @@ class SpeedProbe:
     def machine(self) -> dict[str, Any]:
         """:func:`machine_info` with the time taken at :meth:`start` and one taken now."""
         return machine_info(before=self.before_ms, after=gemm_ms())
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+    """Process ``pid``'s start time (clock ticks after boot) and the CPU seconds it has used, from
+    ``/proc/PID/stat``; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # past the command, which may hold spaces
+        utime, stime, started = int(fields[11]), int(fields[12]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+    return started, (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """How busy some processes were from its start to :meth:`cores`: each one's CPU seconds per
+    second of wall time, where 1.0 is one whole core (a process of several busy threads can use
+    more). A process is measured only where it is the same at both ends: not one that ended, nor
+    another that took its id meanwhile."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._t0 = time.monotonic()
+        self._start = [(pid, _proc_stat(pid)) for pid in pids]
+
+    def cores(self) -> list[float | None]:
+        """Each process's cores used since the start, rounded to 0.001; None for one that could
+        not be read at either end."""
+        seconds = max(time.monotonic() - self._t0, 1e-9)
+        out: list[float | None] = []
+        for pid, start in self._start:
+            now = _proc_stat(pid)
+            if start is None or now is None or now[0] != start[0]:
+                out.append(None)
+            else:
+                out.append(round((now[1] - start[1]) / seconds, 3))
+        return out

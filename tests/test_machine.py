@@ -51,3 +51,30 @@ def test_machine_info_holds_the_timings_given() -> None:
     assert info["python"] == sys.version.split()[0]
     assert info["cpu_model"] == machine.cpu_model()
     assert json.loads(json.dumps(info, allow_nan=False)) == info  # standard JSON as it stands
+
+
+def test_cpu_meter_gives_each_process_its_share_of_a_core() -> None:
+    """A process spinning on one thread used about one core, a sleeping one about none; one that
+    ended meanwhile, or an id no process has, gives None rather than a number."""
+    import subprocess
+    import time
+
+    spin = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in (spin, "import time; time.sleep(30)")]
+    ends = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    try:
+        time.sleep(0.3)  # past the interpreters' start
+        gone = 2**22 + 1  # above Linux's largest process id: no process has it
+        meter = machine.CpuMeter([p.pid for p in procs] + [ends.pid, gone])
+        time.sleep(1.0)
+        ends.wait(5.0)
+        spinning, sleeping, ended, none = meter.cores()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert spinning is not None and sleeping is not None
+    # the spinner had a core of its own for most of the second (2 CPUs, the test mostly asleep)
+    assert 0.5 < spinning <= 1.1
+    assert 0.0 <= sleeping < 0.05
+    assert (ended, none) == (None, None)

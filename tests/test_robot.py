@@ -21,7 +21,7 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch.bench_robot import BenchRobotConfig
+from edgerl.launch.bench_robot import BUSY_CORES, BenchRobotConfig, busy_robot_processes
 from edgerl.launch.cli import main
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
@@ -1094,6 +1094,9 @@ def test_bench_robot_reports_the_issue_keys_and_rides_through_an_outage(tmp_path
     assert st["fresh_action_rate"] == pytest.approx((st["ticks"] - st["fallbacks"]) / due)
     assert 0.5 < st["fresh_action_rate"] <= 1.0
     assert r["latency_ms_p50"] < 20.0
+    cpu = st["cpu_cores"]  # both processes worked in the steady phase; no network process ran
+    assert cpu["server"] > 0.0 and cpu["network_processes"] == []
+    assert len(cpu["robot_processes"]) == 1 and 0.0 < cpu["robot_processes"][0] < 1.5
     o = r["outage"]
     assert o["robots"] == 4 and o["robots_kept_rate"] == 4 and o["robots_fell_back"] == 4
     assert o["robots_estopped"] == 0 and o["robots_resumed"] == 4
@@ -1118,6 +1121,9 @@ def test_bench_robot_kills_and_stops_the_network_processes(tmp_path: Any) -> Non
     assert code == 0
     r = json.loads(out.read_text())
     assert (r["config"]["network_loss_s"], r["config"]["network_spare"]) == (1.5, True)
+    cpu = r["steady"]["cpu_cores"]  # the robot process's one network process, measured
+    assert len(cpu["robot_processes"]) == len(cpu["network_processes"]) == 1
+    assert cpu["network_processes"][0] > 0.0
     loss = r["network_loss"]
     assert loss["network_spare"] is True and "outage" not in r
     assert loss["hung_after_s"] == HUNG_AFTER_S  # 50 Hz, the bench's e-stop after 150: the longest bound
@@ -1127,6 +1133,22 @@ def test_bench_robot_kills_and_stops_the_network_processes(tmp_path: Any) -> Non
         assert phase["max_fell_back_s"] == phase["max_consecutive_fallbacks"] / 50
     assert loss["sigkill"]["max_consecutive_fallbacks"] <= 5  # a process started then: ~10 (README)
     assert 0.9 * HUNG_AFTER_S * 50 <= loss["sigstop"]["max_consecutive_fallbacks"] < 150
+
+
+def test_the_bench_names_each_robot_process_near_its_limit() -> None:
+    """A robot process at 0.9 of a core or more runs behind, and its robots fall back whatever the
+    server does: the bench says so for each such process, with the robots it ran (5 robots over 2
+    processes: 2, then 3), and says nothing of one below it or not measured."""
+    cfg = BenchRobotConfig(robots=5, processes=2, hz=50)
+    assert busy_robot_processes([0.89, None], cfg) == []
+    assert busy_robot_processes([0.5, 0.97], cfg) == [
+        "robot process 1 used 0.97 of a core: its 3 robots at 50 Hz are near its limit on this "
+        "machine, so it runs behind and its robots fall back, whatever the server does (give fewer "
+        "robots to each process: --processes)"
+    ]
+    lines = busy_robot_processes([BUSY_CORES, 1.0], cfg)
+    assert [line.split(" used ")[0] for line in lines] == ["robot process 0", "robot process 1"]
+    assert "its 2 robots" in lines[0]
 
 
 def test_a_robot_process_whose_bench_is_gone_stops_its_robots_quietly(
