@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import CpuMeter, SpeedProbe
+from edgerl.launch.machine import BUSY_CORES, CpuMeter, SpeedProbe
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -329,12 +329,6 @@ def _summary(robots: list[dict[str, Any]], seconds: float, hz: float) -> dict[st
         "dropped_injected": sum(r["dropped"] for r in robots),
         "seconds": seconds,
     }
-
-
-BUSY_CORES = 0.9
-"""A robot process that used this much of a core in the steady phase is said to be near its limit:
-on the reference machine one of 100 HalfCheetah robots at 50 Hz used 0.73-0.75 in a quiet spell and
-0.84-0.93 in a noisy one, and at 1.0 (a machine 2.2x slower) 22-45 % of its ticks fell back."""
 
 
 def _cpu_cores(cores: list[float | None], robot_processes: int) -> dict[str, Any]:

@@ -115,6 +115,13 @@ def _proc_stat(pid: int) -> tuple[int, float] | None:
     return started, (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
+BUSY_CORES = 0.9
+"""A robot process that uses this much of a core is near its limit: on the reference machine one
+of 100 HalfCheetah robots at 50 Hz used 0.73-0.75 of a core in a quiet spell and 0.84-0.93 in a
+noisy one; at 1.0 (the machine 2-3x slower) 22-45 % of its ticks fell back, the server idle
+three quarters of the time."""
+
+
 class CpuMeter:
     """How busy some processes were from its start to :meth:`cores`: each one's CPU seconds per
     second of wall time, where 1.0 is one whole core (a process of several busy threads can use

@@ -28,6 +28,7 @@ from edgerl.launch.argtypes import (
     PROBABILITY,
     add_json_option,
 )
+from edgerl.launch.machine import BUSY_CORES, CpuMeter
 from edgerl.launch.processes import on_signals, on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
@@ -260,7 +261,7 @@ def _label(link: RobotLink) -> str:
     return link.robot.name or f"robot {link.index}"
 
 
-def _line(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str:
+def _line(stats: list[dict[str, Any]], stream: dict[str, Any], cpu: float | None) -> str:
     ticks = sum(s["ticks"] for s in stats)
     fb = sum(s["fallbacks"] for s in stats)
     lat = [s["latency_ms_p50"] for s in stats if not np.isnan(s["latency_ms_p50"])]
@@ -272,7 +273,21 @@ def _line(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str:
         f"e-stopped {sum(s['estopped'] for s in stats)}/{len(stats)}  "
         f"latency p50 {f'{np.median(lat):.1f} ms' if lat else '- (no answer yet)'}  "
         f"version {max(s['policy_version'] for s in stats)}  "
-        f"stream {'up' if stream['connected'] else 'down'} ({stream['reconnects']} reconnects{restarts})"
+        f"stream {'up' if stream['connected'] else 'down'} ({stream['reconnects']} reconnects{restarts})  "
+        f"cpu {'-' if cpu is None else f'{cpu:.2f}'}"
+    )
+
+
+def busy_line(cpu: float | None, robots: int, hz: float, network_process: bool) -> str | None:
+    """What to tell the operator where this process used :data:`BUSY_CORES` of a core or more:
+    its control loop runs behind, and its robots fall back whatever the server does."""
+    if cpu is None or cpu < BUSY_CORES:
+        return None
+    stream = "" if network_process else ", or move the stream to a process of its own: --network-process"
+    return (
+        f"this process used {cpu:.2f} of a core: {robots} robot(s) at {hz:g} Hz are near its limit, "
+        f"so its ticks run late and its robots fall back whatever the server does (run fewer robots "
+        f"in each process{stream})"
     )
 
 
@@ -343,6 +358,8 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             t_end = time.monotonic() + a.seconds if a.seconds > 0 else float("inf")
             next_line = time.monotonic() + STATS_EVERY_S
             announced: set[str] = set()
+            run_cpu = line_cpu = CpuMeter([os.getpid()])
+            busy_said = False
             # A control loop that failed e-stops its robots and ends (control_error is set then):
             # stop at once (the robots are closed) rather than report a frozen host until the time is up.
             while not stop.is_set() and host.control_error is None and (now := time.monotonic()) < t_end:
@@ -355,8 +372,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end
-                    print(f"edgerl robot: {_line(host.stats(), host.stream_stats())}", flush=True)
+                    cpu, line_cpu = line_cpu.cores()[0], CpuMeter([os.getpid()])
+                    print(f"edgerl robot: {_line(host.stats(), host.stream_stats(), cpu)}", flush=True)
+                    busy = busy_line(cpu, len(robots), a.hz, a.network_process)
+                    if busy is not None and not busy_said:  # once, until it is below again
+                        print(f"edgerl robot: {busy}", file=sys.stderr, flush=True)
+                    busy_said = busy is not None
             stream = host.stream_stats()  # as it was running: stopping the host closes the stream
+            stream["cpu_cores"] = run_cpu.cores()[0]
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
         if recorder is not None and recorder.error is None:
             print(f"edgerl robot: recorded {recorder.written} ticks in {a.record}", flush=True)

@@ -21,8 +21,9 @@ import pytest
 
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch.bench_robot import BUSY_CORES, BenchRobotConfig, busy_robot_processes
+from edgerl.launch.bench_robot import BenchRobotConfig, busy_robot_processes
 from edgerl.launch.cli import main
+from edgerl.launch.machine import BUSY_CORES, CpuMeter
 from edgerl.launch.robot import ESTOPPED_STATUS
 from edgerl.models import build_policy
 from edgerl.proto import tensors
@@ -939,7 +940,43 @@ def test_edgerl_robot_cli_runs_mujoco_robots(tmp_path: Any, capsys: pytest.Captu
     assert stream["connected"] and stream["reconnects"] == 0 and stream["network_restarts"] == 0
     assert stream["messages"] >= min(r["policy_ticks"] for r in robots)  # one answer a tick, or more
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("edgerl robot: ticks")]
-    assert lines and all(line.endswith("  stream up (0 reconnects)") for line in lines), lines
+    assert lines and all(" stream up (0 reconnects)  cpu " in line for line in lines), lines
+    # this process's share of a core over each line's 2 s: the robots and the stream used some
+    cpus = [float(line.rsplit(" cpu ", 1)[1]) for line in lines]
+    assert all(0.0 < c < 3.0 for c in cpus), lines
+    assert 0.0 < stream["cpu_cores"] < 3.0  # over the whole run
+
+
+def test_edgerl_robot_says_once_that_its_process_is_busy_until_it_is_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each status line gives this process's share of a core; the operator is told when it
+    reaches 0.9, once for as long as it stays there, and again after it fell below. The shares
+    are set here (a machine whose robots fill a core cannot be had on demand): 0.95, 0.97, 0.5,
+    0.93, then 0.1 for the rest of the run."""
+    from edgerl.launch import robot as robot_cmd
+
+    shares = iter([0.95, 0.97, 0.5, 0.93])
+
+    class SetMeter(CpuMeter):
+        def cores(self) -> list[float | None]:
+            return [next(shares, 0.1)]
+
+    monkeypatch.setattr(robot_cmd, "CpuMeter", SetMeter)
+    monkeypatch.setattr(robot_cmd, "STATS_EVERY_S", 0.25)
+    spec = env_spec("InvertedPendulum-v5")
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
+    with ServerThread(TorchPolicyBackend(net, spec.act_low, spec.act_high)) as srv:
+        code = main(
+            ["robot", "--server", srv.address, "--robots", "1", "--hz", "50", "--seconds", "1.6",
+             "--robot-arg", "env=InvertedPendulum-v5"]
+        )  # fmt: skip
+    assert code == 0
+    out, err = capsys.readouterr()
+    status = [line for line in out.splitlines() if line.startswith("edgerl robot: ticks")]
+    assert [line.rsplit(" cpu ", 1)[1] for line in status][:5] == ["0.95", "0.97", "0.50", "0.93", "0.10"]
+    busy = [line.split(":")[1] for line in err.splitlines() if "of a core" in line]
+    assert busy == [" this process used 0.95 of a core", " this process used 0.93 of a core"]
 
 
 def test_edgerl_robot_s_line_says_how_its_stream_fares() -> None:
@@ -956,9 +993,29 @@ def test_edgerl_robot_s_line_says_how_its_stream_fares() -> None:
         },
     ]
     stream = {"connected": False, "reconnects": 3, "messages": 10, "network_restarts": 2}
-    assert _line(stats, stream) == (
+    assert _line(stats, stream, 0.734) == (
         "ticks 200  fallbacks 100 (50.00%)  e-stopped 1/2  latency p50 2.0 ms  version 4  "
-        "stream down (3 reconnects, 2 network process restarts)"
+        "stream down (3 reconnects, 2 network process restarts)  cpu 0.73"
+    )
+    assert _line(stats, stream, None).endswith("restarts)  cpu -")  # no /proc to read
+
+
+def test_edgerl_robot_tells_the_operator_when_its_process_is_near_a_whole_core() -> None:
+    """At 0.9 of a core or more the control loop runs behind and the robots fall back whatever the
+    server does: the operator is told so, with what to change (the network process only where the
+    stream is not in one already); below it, or unmeasured, nothing is said."""
+    from edgerl.launch.robot import busy_line
+
+    assert busy_line(0.89, 100, 50.0, False) is None
+    assert busy_line(None, 100, 50.0, False) is None
+    assert busy_line(BUSY_CORES, 100, 50.0, False) == (
+        "this process used 0.90 of a core: 100 robot(s) at 50 Hz are near its limit, so its ticks "
+        "run late and its robots fall back whatever the server does (run fewer robots in each "
+        "process, or move the stream to a process of its own: --network-process)"
+    )
+    assert busy_line(1.02, 8, 200.0, True) == (
+        "this process used 1.02 of a core: 8 robot(s) at 200 Hz are near its limit, so its ticks "
+        "run late and its robots fall back whatever the server does (run fewer robots in each process)"
     )
 
 
