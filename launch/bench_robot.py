@@ -379,7 +379,8 @@ def run_bench_robot(cfg: BenchRobotConfig, progress: Callable[[str], None] = pri
         progress(f"measuring {cfg.duration_s:.0f}s at {cfg.hz:g} Hz")
         network_pids = [pid for pid in fleet.ask("network_pid") if pid is not None]
         robot_pids = [p.pid for p in fleet.procs]
-        meter = CpuMeter([server.pid or 0, *robot_pids, *network_pids])
+        assert server.pid is not None  # started above
+        meter = CpuMeter([server.pid, *robot_pids, *network_pids])
         t0 = time.monotonic()
         time.sleep(cfg.duration_s)
         got = _collect(fleet)

@@ -371,13 +371,14 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                     announced = announce_estops(host, announced)
                 now = time.monotonic()
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
-                    next_line = now + STATS_EVERY_S  # a line every 2 s, and one at the end
+                    periodic, next_line = now >= next_line, now + STATS_EVERY_S  # and one at the end
                     cpu, line_cpu = line_cpu.cores()[0], CpuMeter([os.getpid()])
                     print(f"edgerl robot: {_line(host.stats(), host.stream_stats(), cpu)}", flush=True)
-                    busy = busy_line(cpu, len(robots), a.hz, a.network_process)
-                    if busy is not None and not busy_said:  # once, until it is below again
-                        print(f"edgerl robot: {busy}", file=sys.stderr, flush=True)
-                    busy_said = busy is not None
+                    if periodic:  # the last line's span may be a moment, its share noise
+                        busy = busy_line(cpu, len(robots), a.hz, a.network_process)
+                        if busy is not None and not busy_said:  # once, until it is below again
+                            print(f"edgerl robot: {busy}", file=sys.stderr, flush=True)
+                        busy_said = busy is not None
             stream = host.stream_stats()  # as it was running: stopping the host closes the stream
             stream["cpu_cores"] = run_cpu.cores()[0]
         stats = host.stats()  # stopped: the counts hold every tick run (and recorded)
