@@ -221,8 +221,11 @@ def test_lost_answers_become_fallbacks(network_process: bool) -> None:
         (s,) = _run(RobotHost([robot], cfg), 1.5)
     assert s["answers"] >= 60
     assert 0.3 <= s["dropped"] / s["answers"] <= 0.7
-    # a lost answer leaves its tick without a fresh action: the fallbacks follow the losses
-    assert abs(s["fallbacks"] - s["dropped"]) <= 3
+    # A lost answer leaves its tick without a fresh action: one fallback for each loss (the last
+    # loss may come after the last tick), and not two. A few more fall back where an answer came
+    # late on a busy machine, and at the first tick, before any answer: 41 against 37 losses on
+    # a machine at a third of its usual speed, where this allowed 3.
+    assert s["dropped"] - 1 <= s["fallbacks"] <= 1.2 * s["dropped"] + 3
 
 
 @BOTH_STREAMS
