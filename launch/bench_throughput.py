@@ -17,14 +17,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from edgerl.edge_server.batcher import STATS_WINDOW
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import SpeedProbe
+from edgerl.launch.machine import CpuMeter, SpeedProbe, descendants
 from edgerl.launch.processes import (
     LLM_PRESET,
     LOCAL_SOCKET_NAME,
@@ -383,9 +383,49 @@ def run_sync_unary(cfg: ThroughputConfig, address: str) -> float:
             e.close()
 
 
-def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = "") -> float:
+CPU_ROLES = ("server", "sim_workers", "network_processes", "backfill_worker")
+"""The processes of a streaming mode whose CPU :class:`ModeCpu` sums, each role over its processes."""
+
+
+@dataclass
+class ModeCpu:
+    """The CPU time each role's processes (:data:`CPU_ROLES`) used over a streaming mode's
+    measured runs, warm-ups left out, and those runs' seconds: :meth:`cores` tells which core was
+    full (with ``mlp-large`` the server's, with ``mlp`` the sim worker's)."""
+
+    server_pid: int
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds by role, where its processes could be measured (``/proc``)."""
+    seconds: float = 0.0
+
+    def meter(self, fleet: WorkerFleet, workers: int) -> tuple[CpuMeter, list[str]]:
+        """A meter of the server and ``fleet``'s processes (its ``workers`` sim workers, then a
+        backfill worker if it has one), and each process's role."""
+        sims, backfill = fleet.pids[:workers], fleet.pids[workers:]
+        nets = descendants(sims)  # their network processes, where they have them
+        roles = ["server"] + ["sim_workers"] * len(sims) + ["network_processes"] * len(nets)
+        roles += ["backfill_worker"] * len(backfill)
+        return CpuMeter([self.server_pid, *sims, *nets, *backfill]), roles
+
+    def add(self, cores: list[float | None], roles: list[str], seconds: float) -> None:
+        """One run's :meth:`CpuMeter.cores` of the processes of ``roles``, over ``seconds``."""
+        self.seconds += seconds
+        for role in CPU_ROLES:
+            got = [c for c, r in zip(cores, roles, strict=True) if r == role]
+            if got and all(c is not None for c in got):
+                self.cpu_s[role] = self.cpu_s.get(role, 0.0) + sum(filter(None, got)) * seconds
+
+    def cores(self) -> dict[str, float | None]:
+        """Each role's share of a core over the runs (1.0: one whole core; summed over its
+        processes); None for a role with no process, or one that could not be measured."""
+        return {r: round(self.cpu_s[r] / self.seconds, 3) if r in self.cpu_s else None for r in CPU_ROLES}
+
+
+def run_async_stream(
+    cfg: ThroughputConfig, address: str, local_socket: str = "", cpu: ModeCpu | None = None
+) -> float:
     """Env steps/s of the sim workers streaming to the server at ``address`` (gRPC), or over
-    its ``local_socket``."""
+    its ``local_socket``; with ``cpu``, what the server and the workers used is added to it."""
     worker_cpus, others = cfg.placement()
     network_process = bool(cfg.network_process) and not local_socket
     fleet = WorkerFleet(
@@ -407,9 +447,12 @@ def run_async_stream(cfg: ThroughputConfig, address: str, local_socket: str = ""
     with fleet:
         fleet.wait_started()
         time.sleep(cfg.warmup_s)
+        metered = cpu.meter(fleet, cfg.workers) if cpu is not None else None
         s0, t0 = fleet.total_steps(), time.perf_counter()
         time.sleep(cfg.seconds)
         s1, t1 = fleet.total_steps(), time.perf_counter()
+        if cpu is not None and metered is not None:
+            cpu.add(metered[0].cores(), metered[1], t1 - t0)
         fleet.check()
     return float(s1 - s0) / (t1 - t0)
 
@@ -455,6 +498,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
+    cpu: dict[str, ModeCpu] = {}
     stream_stats: dict[str, dict[str, Any]] = {}
     probe = SpeedProbe.start(progress)
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
@@ -473,6 +517,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     server_cfg = ServerConfig(port=0, max_delay_us=cfg.max_delay_us, local_socket=local_socket)
     with sock_dir, ServerProcess(policy, server_cfg, cpus=server_cpus) as server:
         local_cfg = cfg
+        assert server.pid is not None  # started
+        cpu = {mode: ModeCpu(server.pid) for mode in STREAM_MODES}
         cfg, tried = try_placements(candidates, lambda c: run_async_stream(c, server.address), progress)
         if tried:
             progress(f"  async_stream: {describe_placement(cfg)}")
@@ -488,9 +534,9 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
                 else:
                     before = server_stats(server.address)
                     if mode == "async_local":
-                        sps = run_async_stream(local_cfg, server.address, local_socket)
+                        sps = run_async_stream(local_cfg, server.address, local_socket, cpu[mode])
                     else:
-                        sps = run_async_stream(cfg, server.address)
+                        sps = run_async_stream(cfg, server.address, cpu=cpu[mode])
                     after = server_stats(server.address)
                     stream_stats[mode] = mode_stats(stream_stats.get(mode), before, after)
                 runs[mode].append(sps)
@@ -521,6 +567,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         },
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         **{f"server_{mode}": stream_stats.get(mode, {}) for mode in STREAM_MODES},
+        # each role's share of a core over a streaming mode's runs: which core was full
+        "cpu_cores": {mode: cpu[mode].cores() for mode in STREAM_MODES if mode in cpu},
         "machine": probe.machine(),
         "unix_time": int(time.time()),
     }
@@ -539,4 +587,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{m:<16}{result[m]:>16,.0f}  [{runs}]")
     for k, v in result["ratios"].items():
         lines.append(f"{k:<30}{v:>8.2f}x")
+    for mode, cores in result.get("cpu_cores", {}).items():
+        used = ", ".join(f"{r.replace('_', ' ')} {c:.2f}" for r, c in cores.items() if c is not None)
+        lines.append(f"{mode} cores used: {used}")
     return "\n".join(lines)

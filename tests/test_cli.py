@@ -440,6 +440,22 @@ def test_bench_throughput_tries_placements_on_a_real_server() -> None:
     assert served >= sum(x * 1.0 for r in runs for x in r)  # each counted 1 s of steps, all served
 
 
+def test_each_role_s_cpu_is_summed_over_its_processes_and_weighed_by_each_run_s_seconds() -> None:
+    from edgerl.launch.bench_throughput import CPU_ROLES, ModeCpu
+
+    cpu = ModeCpu(server_pid=1)
+    roles = ["server", "sim_workers", "network_processes", "network_processes"]
+    cpu.add([1.0, 0.75, 0.25, 0.25], roles, 2.0)
+    cpu.add([0.7, 0.9, 0.1, None], roles, 1.0)  # a network process not measured: its role is left out
+    assert cpu.cores() == {
+        "server": round((1.0 * 2 + 0.7) / 3, 3),
+        "sim_workers": round((0.75 * 2 + 0.9) / 3, 3),
+        "network_processes": round(0.5 * 2 / 3, 3),  # the first run's, over both runs' seconds
+        "backfill_worker": None,  # no such process
+    }
+    assert tuple(cpu.cores()) == CPU_ROLES
+
+
 def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
     from edgerl.edge_server.batcher import STATS_WINDOW
     from edgerl.launch.bench_throughput import mode_stats
@@ -913,6 +929,14 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
         # one repeat: a percentile is given where that run alone filled the server's window
         for key, of in MODE_PERCENTILES.items():
             assert (st[key] is None) == (st[of] < STATS_WINDOW), (key, st)
+        # each role's share of a core: the server and the sim worker worked; a network process and a
+        # backfill worker where the mode's placement ran one, else none
+        cores, where = result["cpu_cores"][mode], placed[mode]
+        assert 0.0 < cores["server"] < 2.5 and 0.0 < cores["sim_workers"] < 2.5, cores
+        assert (cores["network_processes"] is not None) == where["network_process"], (cores, where)
+        assert (cores["backfill_worker"] is not None) == bool(where["backfill_envs"]), (cores, where)
+    lines = out.stderr.splitlines()  # the table
+    assert any(line.startswith("async_stream cores used: server ") for line in lines), lines
     check_machine_block(result)
 
 

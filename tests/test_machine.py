@@ -78,3 +78,30 @@ def test_cpu_meter_gives_each_process_its_share_of_a_core() -> None:
     assert 0.5 < spinning <= 1.1
     assert 0.0 <= sleeping < 0.05
     assert (ended, none) == (None, None)
+
+
+def test_descendants_are_children_and_their_children() -> None:
+    import subprocess
+    import time
+
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "time.sleep(30)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10.0
+        while not (found := machine.descendants([child.pid])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(found) == 1  # the grandchild
+        grandchild = found[0]
+        parent = int(Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent == child.pid
+        assert {child.pid, grandchild} <= set(machine.descendants([os.getpid()]))
+        assert machine.descendants([grandchild]) == []
+    finally:
+        for pid in machine.descendants([child.pid]):
+            os.kill(pid, 9)
+        child.kill()
+        child.wait()
