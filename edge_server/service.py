@@ -78,7 +78,7 @@ class _Opened(_Reads):
     handles: list[StreamHandle] = field(default_factory=list)
     slots: StreamSlots | None = None
     """The stream's batcher slots, once its hello came and was let in."""
-    hello: HelloWait = field(default_factory=lambda: HelloWait(None))
+    hello: HelloWait = field(kw_only=True)
     """The stream's count among those whose hello has not come."""
 
 

@@ -397,23 +397,33 @@ class ModeCpu:
     cpu_s: dict[str, float] = field(default_factory=dict)
     """CPU seconds by role, where its processes could be measured (``/proc``)."""
     seconds: float = 0.0
+    _run: tuple[CpuMeter, list[str]] | None = field(default=None, init=False, repr=False)
+    """The running run's meter and each of its processes' role."""
 
-    def meter(self, fleet: WorkerFleet, workers: int) -> tuple[CpuMeter, list[str]]:
-        """A meter of the server and ``fleet``'s processes (its ``workers`` sim workers, then a
-        backfill worker if it has one), and each process's role."""
+    def start(self, fleet: WorkerFleet, workers: int) -> None:
+        """A run starts: meter the server and ``fleet``'s processes (its ``workers`` sim workers,
+        their network processes, then a backfill worker if it has one)."""
         sims, backfill = fleet.pids[:workers], fleet.pids[workers:]
         nets = descendants(sims)  # their network processes, where they have them
         roles = ["server"] + ["sim_workers"] * len(sims) + ["network_processes"] * len(nets)
         roles += ["backfill_worker"] * len(backfill)
-        return CpuMeter([self.server_pid, *sims, *nets, *backfill]), roles
+        self._run = CpuMeter([self.server_pid, *sims, *nets, *backfill]), roles
+
+    def stop(self, seconds: float) -> None:
+        """The run started last ended, measured over ``seconds``: add what its processes used."""
+        assert self._run is not None, "stop() without start()"
+        meter, roles = self._run
+        self._run = None
+        self.add(meter.cores(), roles, seconds)
 
     def add(self, cores: list[float | None], roles: list[str], seconds: float) -> None:
         """One run's :meth:`CpuMeter.cores` of the processes of ``roles``, over ``seconds``."""
         self.seconds += seconds
         for role in CPU_ROLES:
             got = [c for c, r in zip(cores, roles, strict=True) if r == role]
-            if got and all(c is not None for c in got):
-                self.cpu_s[role] = self.cpu_s.get(role, 0.0) + sum(filter(None, got)) * seconds
+            measured = [c for c in got if c is not None]
+            if got and len(measured) == len(got):
+                self.cpu_s[role] = self.cpu_s.get(role, 0.0) + sum(measured) * seconds
 
     def cores(self) -> dict[str, float | None]:
         """Each role's share of a core over the runs (1.0: one whole core; summed over its
@@ -447,12 +457,13 @@ def run_async_stream(
     with fleet:
         fleet.wait_started()
         time.sleep(cfg.warmup_s)
-        metered = cpu.meter(fleet, cfg.workers) if cpu is not None else None
+        if cpu is not None:
+            cpu.start(fleet, cfg.workers)
         s0, t0 = fleet.total_steps(), time.perf_counter()
         time.sleep(cfg.seconds)
         s1, t1 = fleet.total_steps(), time.perf_counter()
-        if cpu is not None and metered is not None:
-            cpu.add(metered[0].cores(), metered[1], t1 - t0)
+        if cpu is not None:
+            cpu.stop(t1 - t0)
         fleet.check()
     return float(s1 - s0) / (t1 - t0)
 
@@ -498,7 +509,6 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     """
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     bounds: list[float] = []
-    cpu: dict[str, ModeCpu] = {}
     stream_stats: dict[str, dict[str, Any]] = {}
     probe = SpeedProbe.start(progress)
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
@@ -568,7 +578,7 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
         "runs": {m: [round(x, 1) for x in v] for m, v in runs.items()},
         **{f"server_{mode}": stream_stats.get(mode, {}) for mode in STREAM_MODES},
         # each role's share of a core over a streaming mode's runs: which core was full
-        "cpu_cores": {mode: cpu[mode].cores() for mode in STREAM_MODES if mode in cpu},
+        "cpu_cores": {mode: cpu[mode].cores() for mode in STREAM_MODES},
         "machine": probe.machine(),
         "unix_time": int(time.time()),
     }
