@@ -4,11 +4,18 @@ Envs of one worker process are stepped in one loop in that process
 (:class:`VectorEnv`): on a 2-core machine that steps 32 HalfCheetah envs
 about 3x faster than ``AsyncVectorEnv``, whose per-step pipe traffic costs
 more than the physics.
+
+The MuJoCo envs that :func:`make_env` builds in one process share one
+compiled model per model file (each has its own ``MjData``): see
+:func:`make_env`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,17 +76,77 @@ class EnvSpec:
     obs_high: np.ndarray
 
 
-def make_env(env_name: str, **kwargs: Any) -> gym.Env[Any, Any]:
+def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.Env[Any, Any]:
     """``gym.make(env_name, **kwargs)`` with MuJoCo prepared.
+
+    With ``share_model`` (the default), a MuJoCo env shares its compiled ``MjModel`` with the
+    other envs of this process built from the same model file at the same framebuffer size;
+    each env still has its own ``MjData``, so their states are apart and each steps exactly as
+    an env of its own model would. Gymnasium's envs only read their model. A HalfCheetah-v5
+    model takes 0.5 MB, so 100 envs of their own hold 52 MB of identical models, and stepping
+    them in turn reads each into the caches again. With one model, 100 HalfCheetah robots took
+    46 MB instead of 107-111 MB, and stepped 1.14x faster (64 envs of a sim worker: 1.07x;
+    Hopper and Ant: 1.02-1.04x; see the performance log). Pass ``share_model=False`` for an
+    env whose model is changed (say, its masses randomised per env). Envs that are not
+    MuJoCo's are built as they are.
 
     Raises:
         ValueError: gymnasium refused the env (an unknown id, say), named in the message.
     """
     prepare_mujoco()
     try:
-        return gym.make(env_name, **kwargs)
+        spec = gym.spec(env_name)
+        return gym.make(_sharing_model(spec) if share_model else spec, **kwargs)
     except gym.error.Error as exc:
         raise ValueError(f"env {env_name!r}: {exc}") from exc
+
+
+_shared_lock = threading.Lock()
+_shared_models: dict[tuple[str, int, int], Any] = {}  # (model file, width, height) -> MjModel
+_sharing_classes: dict[type, type] = {}  # a MujocoEnv class -> its subclass that shares models
+
+
+def _sharing_model(spec: gym.envs.registration.EnvSpec) -> gym.envs.registration.EnvSpec:
+    """``spec`` with an entry point whose envs share their compiled model, where it builds a
+    gymnasium ``MujocoEnv``; else ``spec`` itself."""
+    from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
+    from gymnasium.envs.registration import load_env_creator
+
+    entry = spec.entry_point
+    creator = entry if callable(entry) or entry is None else load_env_creator(entry)
+    if not (isinstance(creator, type) and issubclass(creator, MujocoEnv)):
+        return spec
+    with _shared_lock:
+        sharing = _sharing_classes.get(creator)
+        if sharing is None:
+            own = creator._initialize_simulation
+
+            def initialize(env: Any) -> tuple[Any, Any]:
+                return _shared_simulation(env, own)
+
+            sharing = _sharing_classes[creator] = type(
+                creator.__name__,
+                (creator,),
+                {"_initialize_simulation": initialize, "__doc__": creator.__doc__},
+            )
+    return dataclasses.replace(spec, entry_point=sharing)
+
+
+def _shared_simulation(env: Any, compile_model: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``MujocoEnv._initialize_simulation`` with the model compiled once per file and size: the
+    first env of a key compiles it as its class does (``compile_model``: gymnasium's method,
+    which also grows the framebuffer to the env's size), the next ones take it with an
+    ``MjData`` of their own."""
+    import mujoco
+
+    key = (env.fullpath, env.width, env.height)
+    with _shared_lock:
+        model = _shared_models.get(key)
+        if model is None:
+            model, data = compile_model(env)
+            _shared_models[key] = model
+            return model, data
+    return model, mujoco.MjData(model)
 
 
 def env_spec(env_name: str) -> EnvSpec:

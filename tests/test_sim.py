@@ -38,7 +38,7 @@ from edgerl.launch.processes import (
     largest_request,
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
-from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_vector_env
+from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_env, make_vector_env
 from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.sched import thread_ids
 from tests.helpers import EchoPolicy, ended, free_port, run, running_server, wait_until
@@ -74,6 +74,54 @@ def test_vector_env_steps_exactly_like_gymnasiums_sync_vector_env() -> None:
     assert ends >= n  # episodes ended and were autoreset along the way
     ours.close()
     ref.close()
+
+
+def _mujoco(env: gym.Env[Any, Any]) -> Any:
+    """The gymnasium ``MujocoEnv`` inside ``env`` (its ``model`` and ``data``)."""
+    return env.unwrapped
+
+
+def test_mujoco_envs_of_a_process_share_one_compiled_model() -> None:
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+    from gymnasium.envs.mujoco.half_cheetah_v5 import HalfCheetahEnv
+
+    from edgerl.sim.robot import MujocoRobot
+
+    envs, _ = make_vector_env("HalfCheetah-v5", 3, seed=0)
+    robot = MujocoRobot("HalfCheetah-v5", hz=50.0)
+    raws = [_mujoco(e) for e in [*envs.envs, robot.env]]
+    assert all(r.model is raws[0].model for r in raws)
+    assert len({id(r.data) for r in raws}) == len(raws)  # a state of its own each
+    assert isinstance(raws[0], HalfCheetahEnv) and type(raws[0]).__name__ == "HalfCheetahEnv"
+    assert envs.envs[0].spec is not None and envs.envs[0].spec.max_episode_steps == 1000  # the id's own
+    own = make_env("HalfCheetah-v5", share_model=False)
+    assert isinstance(own.unwrapped, HalfCheetahEnv) and _mujoco(own).model is not raws[0].model
+    wider = make_env("HalfCheetah-v5", width=720, height=720)  # the framebuffer's size is in the model
+    assert _mujoco(wider).model is not raws[0].model
+    assert _mujoco(wider).model.vis.global_.offwidth == 720
+    assert _mujoco(make_env("HalfCheetah-v5", width=720, height=720)).model is _mujoco(wider).model
+    cartpole = make_env("CartPole-v1")  # not MuJoCo's: built as it is
+    assert type(cartpole.unwrapped) is CartPoleEnv
+    for env in (envs, robot, own, wider, cartpole):
+        env.close()
+
+
+def test_envs_sharing_a_model_step_exactly_as_envs_of_their_own() -> None:
+    """Stepped in turn with different actions, two envs of one model keep their states apart."""
+    shared = [make_env("HalfCheetah-v5") for _ in range(2)]
+    own = [make_env("HalfCheetah-v5", share_model=False) for _ in range(2)]
+    assert _mujoco(shared[0]).model is _mujoco(shared[1]).model
+    for i, (s, o) in enumerate(zip(shared, own, strict=True)):
+        np.testing.assert_array_equal(s.reset(seed=i)[0], o.reset(seed=i)[0])
+    actions = np.random.default_rng(1).uniform(-1, 1, (100, 2, 6)).astype(np.float32)
+    for t in range(len(actions)):
+        for i in range(2):
+            got, want = shared[i].step(actions[t, i]), own[i].step(actions[t, i])
+            np.testing.assert_array_equal(got[0], want[0], err_msg=f"env {i} step {t}")
+            assert got[1] == want[1]
+    assert not np.array_equal(_mujoco(shared[0]).data.qpos, _mujoco(shared[1]).data.qpos)
+    for env in (*shared, *own):
+        env.close()
 
 
 _TIMER_PROBE = """
