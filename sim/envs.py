@@ -94,9 +94,10 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
         ValueError: gymnasium refused the env (an unknown id, say), named in the message.
     """
     prepare_mujoco()
+    # None for an id gymnasium resolves itself ("module:Env-v0", an unknown one): built as it is
+    spec = gym.envs.registry.get(env_name) if share_model else None
     try:
-        spec = gym.spec(env_name)
-        return gym.make(_sharing_model(spec) if share_model else spec, **kwargs)
+        return gym.make(env_name if spec is None else _sharing_model(spec), **kwargs)
     except gym.error.Error as exc:
         raise ValueError(f"env {env_name!r}: {exc}") from exc
 

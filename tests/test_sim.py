@@ -102,7 +102,9 @@ def test_mujoco_envs_of_a_process_share_one_compiled_model() -> None:
     assert _mujoco(make_env("HalfCheetah-v5", width=720, height=720)).model is _mujoco(wider).model
     cartpole = make_env("CartPole-v1")  # not MuJoCo's: built as it is
     assert type(cartpole.unwrapped) is CartPoleEnv
-    for env in (envs, robot, own, wider, cartpole):
+    by_module = make_env("gymnasium.envs.mujoco:HalfCheetah-v5")  # an id gymnasium resolves itself
+    assert type(by_module.unwrapped) is HalfCheetahEnv
+    for env in (envs, robot, own, wider, cartpole, by_module):
         env.close()
 
 
