@@ -330,7 +330,9 @@ def run(coro: object, timeout_s: float = 120.0) -> object:
 
 def run_without_warnings(coro: object, caplog: pytest.LogCaptureFixture) -> None:
     """:func:`run` ``coro``, then assert that nothing was logged at WARNING or above (by edgerl,
-    gRPC or asyncio): for a case the server must take in its stride."""
+    gRPC or asyncio): for a case the server must take in its stride. Earlier tests' gRPC
+    leftovers are taken first (:func:`take_earlier_leftovers`)."""
+    take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(coro)
     faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -524,19 +526,28 @@ def _run_a_later_grpc_loop() -> None:
     asyncio.run(later())
 
 
+def take_earlier_leftovers(caplog: pytest.LogCaptureFixture) -> None:
+    """Let what earlier tests' event loops left pending with gRPC arrive now, and empty the log:
+    a test that asserts what was logged then counts its own records only. A gRPC completion of a
+    call whose loop has closed arrives in the next loop that uses gRPC, which logs "Event loop is
+    closed" at ERROR (grpc/grpc#26887): an earlier test's leftover once failed a test of the
+    server's logs so. A call still open when its loop ended lets go of its operations when it is
+    collected, which the cyclic collector may do at any time: it collects first, so that such a
+    call's completion arrives here."""
+    gc.collect()
+    _run_a_later_grpc_loop()
+    caplog.clear()
+
+
 @contextlib.contextmanager
 def nothing_left_for_a_later_loop(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """Assert that the block's event loops leave no gRPC completion pending: one that arrives
     after its loop has closed makes the next loop using gRPC log "Event loop is closed".
 
-    A loop run first takes what earlier tests left pending, and the log starts empty, so that
-    only the block's own leftovers count, not an earlier test's. A call still open when its loop
-    ended lets go of its operations when it is collected, which the cyclic collector may do at
-    any time: each side collects first, so that such a call is found where it was left. The
-    block may read ``caplog.text`` for its own records."""
-    gc.collect()
-    _run_a_later_grpc_loop()
-    caplog.clear()
+    Earlier tests' leftovers are taken first (:func:`take_earlier_leftovers`), so that only the
+    block's own count; after the block it collects again, so that a call it left open is found
+    where it was left. The block may read ``caplog.text`` for its own records."""
+    take_earlier_leftovers(caplog)
     yield
     gc.collect()
     _run_a_later_grpc_loop()

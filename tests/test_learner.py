@@ -48,6 +48,7 @@ from tests.helpers import (
     run,
     run_without_warnings,
     running_server,
+    take_earlier_leftovers,
     waited,
 )
 
@@ -778,6 +779,7 @@ def test_weights_past_max_message_bytes_are_published_and_every_other_request_ke
                 assert (await healthy.recv()).policy_version == 2  # the server serves on
                 await healthy.close()
 
+    take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
@@ -929,6 +931,7 @@ def test_a_publish_in_parts_that_is_wrong_is_refused_naming_the_part_and_the_ser
                     await stub.PublishWeightsStream(iter(parts), timeout=10)
                 ).applied  # and takes a good one
 
+    take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -48,6 +48,7 @@ from tests.helpers import (
     run,
     run_without_warnings,
     running_server,
+    take_earlier_leftovers,
     waited,
 )
 
@@ -473,6 +474,7 @@ def test_a_request_that_does_not_parse_is_refused_naming_its_type_and_the_others
                 answer = await health_pb2_grpc.HealthStub(ch).Check(check, timeout=5)
                 assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
+    take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(main())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
@@ -607,6 +609,7 @@ def test_streams_of_random_make_end_with_a_client_fault_and_the_others_go_on(
                     await _round_trip(healthy)
                 await healthy.close()
 
+    take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(main())
     assert len(ended) == 300 and set(ended) <= CLIENT_FAULTS, collections.Counter(ended)
