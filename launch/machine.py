@@ -103,16 +103,23 @@ class SpeedProbe:
         return machine_info(before=self.before_ms, after=gemm_ms())
 
 
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` past the command (which may hold spaces): the state
+    first, then the parent's id; None where it cannot be read (the process is gone, say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _proc_stat(pid: int) -> tuple[int, float] | None:
     """Process ``pid``'s start time (clock ticks after boot) and the CPU seconds it has used, from
     ``/proc/PID/stat``; None where that cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # past the command, which may hold spaces
-        utime, stime, started = int(fields[11]), int(fields[12]), int(fields[19])
-    except (OSError, IndexError, ValueError):
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20:
         return None
-    return started, (utime + stime) / os.sysconf("SC_CLK_TCK")
+    return int(fields[19]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def descendants(pids: list[int]) -> list[int]:
@@ -124,12 +131,10 @@ def descendants(pids: list[int]) -> list[int]:
         return []
     children: dict[int, list[int]] = {}
     for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # gone meanwhile
+        fields = _stat_fields(entry)
+        if fields is None or len(fields) < 2:  # gone meanwhile
             continue
-        children.setdefault(parent, []).append(int(entry))
+        children.setdefault(int(fields[1]), []).append(int(entry))
     out: list[int] = []
     todo = list(pids)
     while todo:

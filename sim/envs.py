@@ -13,6 +13,7 @@ compiled model per model file (each has its own ``MjData``): see
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -104,7 +105,6 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
 
 _shared_lock = threading.Lock()
 _shared_models: dict[tuple[str, int, int], Any] = {}  # (model file, width, height) -> MjModel
-_sharing_classes: dict[type, type] = {}  # a MujocoEnv class -> its subclass that shares models
 
 
 def _sharing_model(spec: gym.envs.registration.EnvSpec) -> gym.envs.registration.EnvSpec:
@@ -117,20 +117,20 @@ def _sharing_model(spec: gym.envs.registration.EnvSpec) -> gym.envs.registration
     creator = entry if callable(entry) or entry is None else load_env_creator(entry)
     if not (isinstance(creator, type) and issubclass(creator, MujocoEnv)):
         return spec
-    with _shared_lock:
-        sharing = _sharing_classes.get(creator)
-        if sharing is None:
-            own = creator._initialize_simulation
+    return dataclasses.replace(spec, entry_point=_sharing_class(creator))
 
-            def initialize(env: Any) -> tuple[Any, Any]:
-                return _shared_simulation(env, own)
 
-            sharing = _sharing_classes[creator] = type(
-                creator.__name__,
-                (creator,),
-                {"_initialize_simulation": initialize, "__doc__": creator.__doc__},
-            )
-    return dataclasses.replace(spec, entry_point=sharing)
+@functools.cache
+def _sharing_class(creator: type) -> type:
+    """``creator``, a ``MujocoEnv`` class, as a subclass of the same name whose envs share their
+    compiled model (:func:`_shared_simulation`); one per class."""
+    own = creator._initialize_simulation  # type: ignore[attr-defined]
+
+    def initialize(env: Any) -> tuple[Any, Any]:
+        return _shared_simulation(env, own)
+
+    attrs = {"_initialize_simulation": initialize, "__doc__": creator.__doc__}
+    return type(creator.__name__, (creator,), attrs)
 
 
 def _shared_simulation(env: Any, compile_model: Callable[[Any], tuple[Any, Any]]) -> tuple[Any, Any]:
