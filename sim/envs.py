@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +90,9 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
     them in turn reads each into the caches again. With one model, 100 HalfCheetah robots took
     46 MB instead of 107-111 MB, and stepped 1.14x faster (64 envs of a sim worker: 1.07x;
     Hopper and Ant: 1.02-1.04x; see the performance log). Pass ``share_model=False`` for an
-    env whose model is changed (say, its masses randomised per env). Envs that are not
-    MuJoCo's are built as they are.
+    env whose model is changed (say, its masses randomised per env). A model file written
+    again is compiled again, and a model is let go with the last env that uses it. Envs that
+    are not MuJoCo's are built as they are.
 
     Raises:
         ValueError: gymnasium refused the env (an unknown id, say), named in the message.
@@ -104,7 +107,8 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
 
 
 _shared_lock = threading.Lock()
-_shared_models: dict[tuple[str, int, int], Any] = {}  # (model file, width, height) -> MjModel
+# (model file, digest of its bytes, width, height) -> MjModel, held only while an env holds it
+_shared_models: weakref.WeakValueDictionary[tuple[str, bytes, int, int], Any] = weakref.WeakValueDictionary()
 
 
 def _sharing_model(spec: gym.envs.registration.EnvSpec) -> gym.envs.registration.EnvSpec:
@@ -137,10 +141,18 @@ def _shared_simulation(env: Any, compile_model: Callable[[Any], tuple[Any, Any]]
     """``MujocoEnv._initialize_simulation`` with the model compiled once per file and size: the
     first env of a key compiles it as its class does (``compile_model``: gymnasium's method,
     which also grows the framebuffer to the env's size), the next ones take it with an
-    ``MjData`` of their own."""
+    ``MjData`` of their own.
+
+    The key holds a digest of the file's bytes, so a file written again (a model edited
+    between two runs of a notebook, say) is compiled again; files that it includes are not
+    read. The cache holds a model only as long as an env does (each ``MjData`` holds its
+    model): a process that goes through many model files keeps only those of its live envs.
+    """
     import mujoco
 
-    key = (env.fullpath, env.width, env.height)
+    with open(env.fullpath, "rb") as f:
+        digest = hashlib.blake2b(f.read(), digest_size=16).digest()
+    key = (env.fullpath, digest, env.width, env.height)
     with _shared_lock:
         model = _shared_models.get(key)
         if model is None:

@@ -126,6 +126,32 @@ def test_envs_sharing_a_model_step_exactly_as_envs_of_their_own() -> None:
         env.close()
 
 
+def test_a_model_file_written_again_is_compiled_again_and_unused_models_are_let_go(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    from gymnasium.envs import mujoco as gym_mujoco
+
+    xml = (Path(gym_mujoco.__file__).parent / "assets" / "inverted_pendulum.xml").read_text()
+    path = tmp_path / "pendulum.xml"
+    path.write_text(xml)
+    first = [make_env("InvertedPendulum-v5", xml_file=str(path)) for _ in range(2)]
+    assert _mujoco(first[0]).model is _mujoco(first[1]).model
+    assert _mujoco(first[0]).model.opt.timestep == pytest.approx(0.02)
+    path.write_text(xml.replace('timestep="0.02"', 'timestep="0.01"'))  # the same size, a new model
+    second = make_env("InvertedPendulum-v5", xml_file=str(path))
+    assert _mujoco(second).model.opt.timestep == pytest.approx(0.01)
+    assert _mujoco(first[0]).model.opt.timestep == pytest.approx(0.02)  # live envs keep theirs
+    old = weakref.ref(_mujoco(first[0]).model)
+    for env in first:
+        env.close()
+    del env, first
+    gc.collect()
+    assert old() is None  # no env holds it, so neither does the cache
+    assert _mujoco(second).model.opt.timestep == pytest.approx(0.01)
+    second.close()
+
+
 _TIMER_PROBE = """
 import json, sys, time
 import gymnasium as gym
