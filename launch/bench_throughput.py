@@ -223,6 +223,12 @@ TRIAL_WARMUP_S = 1.0
 """Unmeasured seconds before each trial run (``warmup_s`` where shorter)."""
 
 
+PLACING_S = 2.0
+"""Measured seconds of the in-process run by which ``edgerl rollout --place`` chooses its placement."""
+PLACING_WARMUP_S = 1.0
+"""Unmeasured seconds before it."""
+
+
 def stream_candidates(given: ThroughputConfig, placed: ThroughputConfig) -> list[ThroughputConfig]:
     """The placements of async_stream that :func:`run` tries before its runs, ``placed`` (``given``
     placed by :meth:`ThroughputConfig.placed`) first; ``[placed]`` where there is nothing to try.

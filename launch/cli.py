@@ -32,9 +32,11 @@ from edgerl.launch.argtypes import (
 from edgerl.launch.bench_throughput import (
     MAX_CHOSEN_REPLICAS,
     NETWORK_PROCESS_BELOW,
+    PLACING_S,
+    PLACING_WARMUP_S,
     REPLICAS_ABOVE,
 )
-from edgerl.launch.checkpoints import LLM_KIND, read_checkpoint
+from edgerl.launch.checkpoints import LLM_KIND, CheckpointInfo, read_checkpoint
 from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
@@ -183,7 +185,16 @@ def _add_batching(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
+GIVEN, CHOSEN, PLACE = "given", "chosen", "place"
+"""How a command's placement options default: to no placement (``given``); left unset, to be
+chosen from the first in-process run (``chosen``: ``bench throughput``, see
+``bench_throughput.choose_placement``); left unset, to be chosen with ``--place`` and else no
+placement (``place``: ``rollout``, see ``rollout.place``)."""
+
+
+def _add_workers(p: argparse.ArgumentParser, workers: int, placed: str = GIVEN) -> None:
+    """``--workers``, ``--groups``, ``--timeout-s`` and the placement options (``placed``: see
+    :func:`_add_worker_placement`)."""
     p.add_argument(
         "--workers", type=COUNT, default=workers, help="sim worker processes (envs are split evenly)"
     )
@@ -201,72 +212,77 @@ def _add_workers(p: argparse.ArgumentParser, workers: int) -> None:
         help="deadline for each answer from the server; an answer overdue ends the stream, and the "
         "worker opens a new one (s)",
     )
-    _add_worker_placement(p)
+    _add_worker_placement(p, placed)
 
 
 def _add_local_socket(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--local-socket", type=socket_path, default="", metavar="PATH", help=help_text)
 
 
-def _add_worker_placement(p: argparse.ArgumentParser, chosen: bool = False) -> None:
-    """``--network-process`` and ``--worker-cpus``; with ``chosen`` (``bench throughput``) they
-    default to None: chosen from the first in-process run (``bench_throughput.choose_placement``)."""
+def _unset(placed: str, chosen: str, plain: str, unset: str = "unset") -> str:
+    """The help text's words on an option left ``unset``: ``chosen`` for ``bench throughput``, for
+    ``rollout`` ``plain`` or chosen with ``--place``."""
+    texts = {GIVEN: "", CHOSEN: f"; {unset}: {chosen}", PLACE: f"; {unset}: {plain}, or chosen by --place"}
+    return texts[placed]
+
+
+def _add_worker_placement(p: argparse.ArgumentParser, placed: str = GIVEN) -> None:
+    """``--network-process``, ``--worker-cpus`` and ``--backfill-envs``; unless ``placed`` is
+    :data:`GIVEN` they default to None, to be chosen."""
+    given = placed == GIVEN
     p.add_argument(
         "--network-process",
-        action=argparse.BooleanOptionalAction if chosen else "store_true",
-        default=None if chosen else False,
+        action="store_true" if given else argparse.BooleanOptionalAction,
+        default=False if given else None,
         help="each sim worker runs its Act stream in a network process of its own: the worker's "
         "core only steps envs (worth it where that core is the bottleneck and another has room)"
-        + (
-            f"; unset: where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping, tried "
-            "against a backfill worker (if the backfill envs are unset too) or on without one"
-            if chosen
-            else ""
+        + _unset(
+            placed,
+            f"where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping, tried against a "
+            "backfill worker (if the backfill envs are unset too) or on without one",
+            "off",
         ),
     )
     p.add_argument(
         "--worker-cpus",
-        default=None if chosen else "off",
+        default="off" if given else None,
         help='CPUs of the sim workers, one per worker ("1", "2,3"); "auto": the last CPUs, one per '
         "worker, if some are left for the server and the network processes, which run on the others; "
         '"off": no pinning'
-        + (
-            f"; unset: auto, or off where inference costs over {REPLICAS_ABOVE:g}x env stepping"
-            if chosen
-            else ""
-        ),
+        + _unset(placed, f"auto, or off where inference costs over {REPLICAS_ABOVE:g}x env stepping", "off"),
     )
     p.add_argument(
         "--backfill-envs",
         type=NON_NEGATIVE_INT,
-        default=None if chosen else 0,
+        default=0 if given else None,
         metavar="N",
         help="of the envs, N for one more sim worker at idle priority on the CPUs the workers leave: it "
         "steps them in CPU time nothing else wants, and the server never waits for it (worth it "
         "where the workers' cores are the bottleneck)"
-        + (
-            f"; unset: 3/8 of --envs where inference costs under {NETWORK_PROCESS_BELOW:g}x "
-            "env stepping and the workers have CPUs of their own, else 0"
-            if chosen
-            else ""
+        + _unset(
+            placed,
+            f"3/8 of --envs where inference costs under {NETWORK_PROCESS_BELOW:g}x env stepping and "
+            "the workers have CPUs of their own, else 0",
+            "0",
         ),
     )
 
 
-def _add_replicas(p: argparse.ArgumentParser, chosen: bool = False) -> None:
-    """``--replicas``; with ``chosen`` (``bench throughput``) 0 by default: chosen from the first
-    in-process run (``bench_throughput.choose_placement``)."""
+def _add_replicas(p: argparse.ArgumentParser, placed: str = GIVEN) -> None:
+    """``--replicas``; unless ``placed`` is :data:`GIVEN`, 0 by default: chosen."""
+    given = placed == GIVEN
     p.add_argument(
         "--replicas",
-        type=NON_NEGATIVE_INT if chosen else COUNT,
-        default=0 if chosen else 1,
+        type=COUNT if given else NON_NEGATIVE_INT,
+        default=1 if given else 0,
         help="copies of the policy in the server, each in a process of its own, taking batches side "
         "by side (worth it where one copy cannot use every core: a vLLM engine steps on one)"
-        + (
-            f"; 0: one per CPU (up to {MAX_CHOSEN_REPLICAS}) where inference costs over "
-            f"{REPLICAS_ABOVE:g}x env stepping, else 1"
-            if chosen
-            else ""
+        + _unset(
+            placed,
+            f"one per CPU (up to {MAX_CHOSEN_REPLICAS}) where inference costs over {REPLICAS_ABOVE:g}x "
+            "env stepping, else 1",
+            "1",
+            unset="0",
         ),
     )
 
@@ -400,8 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_env(p, envs=64, checkpoint=True)
     _add_policy(p, checkpoint=True)
-    _add_replicas(p)
-    _add_workers(p, workers=DEFAULT_WORKERS)
+    _add_replicas(p, PLACE)
+    _add_workers(p, workers=DEFAULT_WORKERS, placed=PLACE)
+    p.add_argument(
+        "--place",
+        action="store_true",
+        help="choose the placement options left unset (--worker-cpus, --network-process, "
+        "--backfill-envs, --replicas) from how a short in-process run of the envs and the policy "
+        f"(~{PLACING_WARMUP_S + PLACING_S:g} s, before the server starts) splits its time between env "
+        "stepping and inference, as edgerl bench throughput does (without its trial of two placements)",
+    )
     _add_batching(p)
     p.add_argument("--seconds", type=NON_NEGATIVE, default=30.0, help="run time (0: until --steps or Ctrl-C)")
     p.add_argument(
@@ -444,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="env groups per worker in async_stream (0: one per policy replica for --policy llm, "
         "whose batch of all envs costs one engine less than two halves, else 2: double-buffered)",
     )
-    _add_worker_placement(p, chosen=True)
-    _add_replicas(p, chosen=True)
+    _add_worker_placement(p, CHOSEN)
+    _add_replicas(p, CHOSEN)
     p.add_argument(
         "--max-delay-us",
         type=WIRE_MICROSECONDS,
@@ -721,7 +745,17 @@ def _bench_learn(a: argparse.Namespace) -> int:
 def _served_policy(a: argparse.Namespace) -> tuple[PolicySpec, str]:
     """The policy ``serve`` or ``rollout`` serves, and its weights in words: fresh weights of
     ``--policy`` for ``--env``, or the weights of ``--checkpoint``, whose env, policy and base
-    model fill the options not given (set on ``a``).
+    model fill the options not given (:func:`_served_options`).
+
+    Raises:
+        ValueError: the env is unknown, or naming the option that the checkpoint cannot serve.
+    """
+    return _policy_of(a, _served_options(a))
+
+
+def _served_options(a: argparse.Namespace) -> CheckpointInfo | None:
+    """Read ``--checkpoint`` (None without one) and set on ``a`` the env, policy and base model
+    that it or the defaults give where the options were not given.
 
     Raises:
         ValueError: the env is unknown, or naming the option that the checkpoint cannot serve.
@@ -733,12 +767,20 @@ def _served_policy(a: argparse.Namespace) -> tuple[PolicySpec, str]:
     a.policy = a.policy or (info and info.policy) or "mlp"
     spec = env_spec(a.env)  # an unknown env is refused here, before a server process starts
     if info is None:
-        return PolicySpec.from_options(a, replicas=a.replicas), f"policy {a.policy}, fresh weights"
+        return None
     info.check_serves(a.env, a.policy, spec.obs_shape, spec.act_shape)
     if info.kind == LLM_KIND:
         a.model = a.model or info.model
         if a.model and not os.path.isdir(a.model):
             raise FileNotFoundError(f"--model {a.model}: no such folder (the checkpoint's base model)")
+    return info
+
+
+def _policy_of(a: argparse.Namespace, info: CheckpointInfo | None) -> tuple[PolicySpec, str]:
+    """The policy of ``a``'s settled options (:func:`_served_options`) with the weights of
+    ``info``, and those weights in words."""
+    if info is None:
+        return PolicySpec.from_options(a, replicas=a.replicas), f"policy {a.policy}, fresh weights"
     policy = PolicySpec.from_options(a, replicas=a.replicas, checkpoint=info.path)
     return policy, f"policy {a.policy}, version {info.version} from {info.path}"
 
@@ -818,17 +860,21 @@ def _sim(a: argparse.Namespace) -> int:
 
 
 def _rollout(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import watch
+    from edgerl.launch.rollout import place, watch
 
-    # before the server starts
+    # before the server starts (and before --place measures)
     check_fleet(
         a.envs,
         a.workers,
-        _groups(a),
+        fleet_groups(a.groups, a.envs - (a.backfill_envs or 0), a.workers),
         max_envs_per_stream=ServerConfig.max_envs_per_stream,
-        backfill_envs=a.backfill_envs,
+        backfill_envs=a.backfill_envs or 0,
     )
-    policy, weights = _served_policy(a)
+    if a.worker_cpus is not None:
+        kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")  # fails naming the option
+    info = _served_options(a)
+    placement = place(a, lambda line: print(f"edgerl: {line}", flush=True))
+    policy, weights = _policy_of(a, info)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
     local = os.path.join(local_dir.name, LOCAL_SOCKET_NAME) if local_dir else ""
@@ -847,6 +893,7 @@ def _rollout(a: argparse.Namespace) -> int:
             summary = watch(
                 fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check
             )
+        summary["placement"] = placement
         summary["server"] = server_stats(server.address)
     return _report(summary, a.json)
 

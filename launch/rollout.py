@@ -2,13 +2,81 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from edgerl.launch.processes import WorkerFleet
+from edgerl.launch.processes import LLM_PRESET, WorkerFleet, fleet_groups
 from edgerl.launch.progress import advance, step_bar
+
+
+def place(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    """Settle ``edgerl rollout``'s placement options on ``a`` (``worker_cpus``,
+    ``network_process``, ``backfill_envs``, ``replicas``; None or 0 where left unset).
+
+    With ``--place``, those left unset are chosen as ``edgerl bench throughput`` chooses them:
+    from how a short in-process run of the envs and the policy splits its time between env
+    stepping and inference (:meth:`~edgerl.launch.bench_throughput.ThroughputConfig.placed`),
+    without the bench's trial of two placements. With ``--transport local`` the stream stays in
+    the worker (there is no gRPC stream to move). The rest, and all of them without ``--place``,
+    are no placement: no pinning, the stream in the worker, no backfill worker, one replica.
+    With the llm policy and ``--groups 0``, the workers get a group per replica, as in the bench.
+
+    Returns:
+        The placement as settled, for the summary; with ``--place`` also the in-process run's
+        env steps/s and its inference time per env-stepping time.
+    """
+    from edgerl.launch import bench_throughput as bench
+
+    measured: dict[str, Any] = {}
+    if a.place:
+        llm_groups = a.policy == LLM_PRESET and not a.groups  # a group per replica, once chosen
+        cfg = bench.ThroughputConfig(
+            env=a.env,
+            envs=a.envs,
+            seconds=bench.PLACING_S,
+            warmup_s=bench.PLACING_WARMUP_S,
+            policy=a.policy,
+            model=a.model,
+            workers=a.workers,
+            groups=0 if llm_groups else fleet_groups(a.groups, a.envs - (a.backfill_envs or 0), a.workers),
+            torch_threads=a.torch_threads,
+            dtype=a.dtype,
+            seed=a.seed,
+            network_process=False if a.transport == "local" else a.network_process,
+            worker_cpus=a.worker_cpus,
+            replicas=a.replicas,
+            backfill_envs=a.backfill_envs,
+        )
+        say(
+            f"placing the run: {a.envs} envs of {a.env} and policy {a.policy} in-process for "
+            f"{bench.PLACING_WARMUP_S + bench.PLACING_S:g} s"
+        )
+        steps_per_s, env_s, inference_s = bench.run_sync_inprocess(cfg)
+        cfg = cfg.placed(env_s, inference_s, bench.inference_cpus())
+        a.worker_cpus, a.network_process = cfg.worker_cpus, cfg.network_process
+        a.backfill_envs, a.replicas = cfg.backfill_envs, cfg.replicas
+        a.groups = cfg.groups if llm_groups else a.groups
+        share = inference_s / max(env_s, 1e-12)
+        measured = {"inprocess_steps_per_s": round(steps_per_s, 1), "inference_per_env_s": round(share, 3)}
+        say(
+            f"placed: {bench.describe_placement(cfg)}, {cfg.replicas} policy replica(s) "
+            f"(inference took {share:.2f}x the time of env stepping)"
+        )
+    a.worker_cpus = a.worker_cpus or "off"
+    a.network_process = bool(a.network_process)
+    a.backfill_envs = a.backfill_envs or 0
+    a.replicas = a.replicas or 1
+    return {
+        "chosen": bool(a.place),
+        "worker_cpus": a.worker_cpus,
+        "network_process": a.network_process,
+        "backfill_envs": a.backfill_envs,
+        "replicas": a.replicas,
+        **measured,
+    }
 
 
 def watch(
@@ -75,9 +143,13 @@ def watch(
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"{k:<22}{v}" for k, v in summary.items() if not isinstance(v, dict)]
+    """``summary`` as lines of key and value, its dicts after the rest, each indented under its key."""
+    keys = [k for k, v in summary.items() if not isinstance(v, dict)]
+    keys += [f"  {kk}" for v in summary.values() if isinstance(v, dict) for kk in v]
+    width = max([22, *(len(k) + 2 for k in keys)])
+    lines = [f"{k:<{width}}{v}" for k, v in summary.items() if not isinstance(v, dict)]
     for k, v in summary.items():
         if isinstance(v, dict):
             lines.append(f"{k}:")
-            lines.extend(f"  {kk:<20}{vv}" for kk, vv in v.items())
+            lines.extend(f"  {kk:<{width - 2}}{vv}" for kk, vv in v.items())
     return "\n".join(lines)

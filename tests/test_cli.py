@@ -505,6 +505,82 @@ def test_rollout_runs_server_and_workers_and_reports(tmp_path: Path) -> None:
     assert summary["server"]["requests"] > 100
     assert summary["server"]["requests"] > summary["server"]["batches"]  # streams shared batches
     assert summary["server"]["failed_requests"] == 0
+    plain = {"chosen": False, "worker_cpus": "off", "network_process": False, "backfill_envs": 0}
+    assert summary["placement"] == {**plain, "replicas": 2}  # nothing placed without --place
+
+
+@pytest.mark.parametrize(
+    ("given", "chosen"),
+    [
+        ("", {"network_process": False, "backfill_envs": 6}),  # 3/8 of 16 envs
+        ("--backfill-envs 0", {"network_process": True, "backfill_envs": 0}),
+        ("--backfill-envs 0 --transport local", {"network_process": False, "backfill_envs": 0}),
+    ],
+)
+def test_rollout_place_takes_work_off_the_workers_where_inference_is_cheap(
+    tmp_path: Path, given: str, chosen: dict[str, Any]
+) -> None:
+    """Ant's physics costs far more than a small MLP's forward pass: ``--place`` pins the worker
+    and takes work off its core, with a backfill worker or, where the backfill envs are given as
+    0, with the stream in a network process (not over the local socket: no gRPC stream there)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("placing needs a CPU for the worker and one for the server")
+    path = tmp_path / "rollout.json"
+    out = _edgerl(f"rollout --env Ant-v5 --envs 16 --policy mlp-small --seconds 2 --place {given}", path)
+    summary = json.loads(path.read_text())
+    placement = summary["placement"]
+    assert placement["inference_per_env_s"] < 0.25 and placement["inprocess_steps_per_s"] > 0
+    assert {k: placement[k] for k in ("chosen", "worker_cpus", "replicas")} == {
+        "chosen": True,
+        "worker_cpus": "auto",
+        "replicas": 1,
+    }
+    assert {k: placement[k] for k in chosen} == chosen
+    assert f"{chosen['backfill_envs']} backfill env(s)" in out.stdout  # said before the run
+    assert summary["env_steps"] > 0 and summary["server"]["failed_requests"] == 0
+
+
+def test_rollout_place_serves_replicas_where_inference_is_costly(tmp_path: Path) -> None:
+    """A large MLP's forward pass costs many times the pendulum's physics: ``--place`` serves a
+    replica per CPU, pins nothing, and keeps ``--network-process`` as given."""
+    from edgerl.launch.bench_throughput import MAX_CHOSEN_REPLICAS
+
+    path = tmp_path / "rollout.json"
+    _edgerl(
+        "rollout --env InvertedPendulum-v5 --envs 8 --policy mlp-large --seconds 2 --place --network-process",
+        path,
+    )
+    summary = json.loads(path.read_text())
+    placement = summary["placement"]
+    assert placement["inference_per_env_s"] > 3
+    replicas = min(len(os.sched_getaffinity(0)), MAX_CHOSEN_REPLICAS)
+    measured = ("inference_per_env_s", "inprocess_steps_per_s")
+    assert {k: v for k, v in placement.items() if k not in measured} == {
+        "chosen": True,
+        "worker_cpus": "off",
+        "network_process": True,
+        "backfill_envs": 0,
+        "replicas": replicas,
+    }
+    assert summary["env_steps"] > 0 and summary["server"]["failed_requests"] == 0
+
+
+def test_a_summary_lines_up_keys_of_any_length() -> None:
+    """Values start in one column, past the longest key (a nested one included) and a gap."""
+    from edgerl.launch.rollout import format_summary
+
+    text = format_summary({"steps": 5, "placement": {"inprocess_steps_per_s": 1.5, "x": 2}, "wall_s": 1.0})
+    lines = text.splitlines()
+    assert [line.split() for line in lines] == [
+        ["steps", "5"],
+        ["wall_s", "1.0"],
+        ["placement:"],
+        ["inprocess_steps_per_s", "1.5"],
+        ["x", "2"],
+    ]
+    values = [line.rsplit(" ", 1) for line in lines if line != "placement:"]
+    assert {len(key) for key, _ in values} == {len("  inprocess_steps_per_s  ") - 1}
+    assert lines[3].startswith("  inprocess_steps_per_s  ")
 
 
 def test_a_step_bar_ends_full_at_its_total_and_counts_on_without_one(
