@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.server import ServerConfig
-from edgerl.launch.machine import BUSY_CORES, CpuMeter, SpeedProbe
+from edgerl.launch.machine import BUSY_CORES, CpuMeter, SpeedProbe, busy_text
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -347,9 +347,7 @@ def busy_robot_processes(cores: list[float | None], cfg: BenchRobotConfig) -> li
     server does."""
     bounds = robot_bounds(cfg)
     return [
-        f"robot process {i} used {c:.2f} of a core: its {hi - lo} robots at {cfg.hz:g} Hz are near "
-        "its limit on this machine, so it runs behind and its robots fall back, whatever the "
-        "server does (give fewer robots to each process: --processes)"
+        busy_text(f"robot process {i}", c, hi - lo, cfg.hz, "give fewer robots to each process: --processes")
         for i, (c, (lo, hi)) in enumerate(zip(cores, itertools.pairwise(bounds), strict=True))
         if c is not None and c >= BUSY_CORES
     ]

@@ -151,6 +151,15 @@ noisy one; at 1.0 (the machine 2-3x slower) 22-45 % of its ticks fell back, the 
 three quarters of the time."""
 
 
+def busy_text(who: str, cpu: float, robots: int, hz: float, advice: str) -> str:
+    """What to tell the operator of ``who``, a robot process that used ``cpu`` of a core (at least
+    :data:`BUSY_CORES`) for ``robots`` robots at ``hz``, with ``advice`` on what to change."""
+    return (
+        f"{who} used {cpu:.2f} of a core: {robots} robot(s) at {hz:g} Hz are near its limit on this "
+        f"machine, so its ticks run late and its robots fall back whatever the server does ({advice})"
+    )
+
+
 class CpuMeter:
     """How busy some processes were from its start to :meth:`cores`: each one's CPU seconds per
     second of wall time, where 1.0 is one whole core (a process of several busy threads can use

@@ -28,7 +28,7 @@ from edgerl.launch.argtypes import (
     PROBABILITY,
     add_json_option,
 )
-from edgerl.launch.machine import BUSY_CORES, CpuMeter
+from edgerl.launch.machine import BUSY_CORES, CpuMeter, busy_text
 from edgerl.launch.processes import on_signals, on_stop_signals, parse_cpus
 from edgerl.robot_client import errors
 from edgerl.robot_client.bags import BagRecorder, RobotTopics
@@ -284,11 +284,7 @@ def busy_line(cpu: float | None, robots: int, hz: float, network_process: bool) 
     if cpu is None or cpu < BUSY_CORES:
         return None
     stream = "" if network_process else ", or move the stream to a process of its own: --network-process"
-    return (
-        f"this process used {cpu:.2f} of a core: {robots} robot(s) at {hz:g} Hz are near its limit, "
-        f"so its ticks run late and its robots fall back whatever the server does (run fewer robots "
-        f"in each process{stream})"
-    )
+    return busy_text("this process", cpu, robots, hz, f"run fewer robots in each process{stream}")
 
 
 def _estopped(host: RobotHost) -> list[RobotLink]:

@@ -1012,13 +1012,14 @@ def test_edgerl_robot_tells_the_operator_when_its_process_is_near_a_whole_core()
     assert busy_line(0.89, 100, 50.0, False) is None
     assert busy_line(None, 100, 50.0, False) is None
     assert busy_line(BUSY_CORES, 100, 50.0, False) == (
-        "this process used 0.90 of a core: 100 robot(s) at 50 Hz are near its limit, so its ticks "
-        "run late and its robots fall back whatever the server does (run fewer robots in each "
-        "process, or move the stream to a process of its own: --network-process)"
+        "this process used 0.90 of a core: 100 robot(s) at 50 Hz are near its limit on this machine, "
+        "so its ticks run late and its robots fall back whatever the server does (run fewer robots "
+        "in each process, or move the stream to a process of its own: --network-process)"
     )
     assert busy_line(1.02, 8, 200.0, True) == (
-        "this process used 1.02 of a core: 8 robot(s) at 200 Hz are near its limit, so its ticks "
-        "run late and its robots fall back whatever the server does (run fewer robots in each process)"
+        "this process used 1.02 of a core: 8 robot(s) at 200 Hz are near its limit on this machine, "
+        "so its ticks run late and its robots fall back whatever the server does (run fewer robots "
+        "in each process)"
     )
 
 
@@ -1202,13 +1203,13 @@ def test_the_bench_names_each_robot_process_near_its_limit() -> None:
     cfg = BenchRobotConfig(robots=5, processes=2, hz=50)
     assert busy_robot_processes([0.89, None], cfg) == []
     assert busy_robot_processes([0.5, 0.97], cfg) == [
-        "robot process 1 used 0.97 of a core: its 3 robots at 50 Hz are near its limit on this "
-        "machine, so it runs behind and its robots fall back, whatever the server does (give fewer "
-        "robots to each process: --processes)"
+        "robot process 1 used 0.97 of a core: 3 robot(s) at 50 Hz are near its limit on this "
+        "machine, so its ticks run late and its robots fall back whatever the server does (give "
+        "fewer robots to each process: --processes)"
     ]
     lines = busy_robot_processes([BUSY_CORES, 1.0], cfg)
     assert [line.split(" used ")[0] for line in lines] == ["robot process 0", "robot process 1"]
-    assert "its 2 robots" in lines[0]
+    assert ": 2 robot(s) at" in lines[0]
 
 
 def test_a_robot_process_whose_bench_is_gone_stops_its_robots_quietly(
