@@ -229,9 +229,12 @@ PLACING_WARMUP_S = 1.0
 """Unmeasured seconds before it."""
 
 
-def stream_candidates(given: ThroughputConfig, placed: ThroughputConfig) -> list[ThroughputConfig]:
-    """The placements of async_stream that :func:`run` tries before its runs, ``placed`` (``given``
-    placed by :meth:`ThroughputConfig.placed`) first; ``[placed]`` where there is nothing to try.
+def stream_candidates(
+    given: ThroughputConfig, env_s: float, inference_s: float, cpus: int
+) -> list[ThroughputConfig]:
+    """The placements of async_stream that :func:`run` tries before its runs, each ``given``
+    placed by :meth:`ThroughputConfig.placed` for these costs: the one it chooses first; one
+    alone where there is nothing to try.
 
     Where the workers' cores are the bottleneck, two placements take work off them, and which
     gains more over gRPC depends on the machine: a backfill worker on the server's idle time
@@ -239,10 +242,12 @@ def stream_candidates(given: ThroughputConfig, placed: ThroughputConfig) -> list
     beside one, a network process loses). On the reference 2-core machine the first gave ``mlp``
     1.0-1.06x the in-process loop; on a 2-core Intel Xeon machine (2026-12-07, 6 s runs in ABBA
     order) 0.88-0.89x against 1.00-1.03x for the second. Where ``given`` leaves both open and
-    ``placed`` chose a backfill worker, both are tried. async_local keeps ``placed``: its workers
-    have no gRPC stream to move, and there the backfill worker gained (1.26x against 0.95x)."""
+    the rule chose a backfill worker, both are tried: the second is ``given`` placed without one.
+    async_local keeps the first: its workers have no gRPC stream to move, and there the backfill
+    worker gained (1.26x against 0.95x)."""
+    placed = given.placed(env_s, inference_s, cpus)
     if given.network_process is None and given.backfill_envs is None and placed.backfill_envs:
-        return [placed, replace(placed, backfill_envs=0, network_process=True)]
+        return [placed, replace(given, backfill_envs=0).placed(env_s, inference_s, cpus)]
     return [placed]
 
 
@@ -519,8 +524,8 @@ def run(cfg: ThroughputConfig, progress: Callable[[str], None] = lambda s: None)
     probe = SpeedProbe.start(progress)
     progress(f"repeat 1/{cfg.repeats}: sync_inprocess ({cfg.seconds:.0f}s)")
     first = run_sync_inprocess(cfg)
-    given, cfg = cfg, cfg.placed(first[1], first[2], inference_cpus())
-    candidates = stream_candidates(given, cfg)
+    candidates = stream_candidates(cfg, first[1], first[2], inference_cpus())
+    cfg = candidates[0]
     progress(
         f"  placement: {describe_placement(cfg)}, {cfg.replicas} policy replica(s), "
         f"{cfg.groups} env group(s) per worker"

@@ -383,20 +383,23 @@ def test_bench_throughput_tries_both_ways_off_a_busy_workers_core_where_both_are
         try_placements,
     )
 
-    backfilled = ThroughputConfig(worker_cpus="auto", backfill_envs=24, network_process=False)
-    # inference cheap beside env stepping, nothing given: a backfill worker, or the streams in
-    # network processes without one
-    assert stream_candidates(ThroughputConfig(), backfilled) == [
+    backfilled = ThroughputConfig(worker_cpus="auto", backfill_envs=24, network_process=False, replicas=1)
+    # inference cheap beside env stepping (0.1 of it), nothing given: a backfill worker, or the
+    # streams in network processes without one
+    assert stream_candidates(ThroughputConfig(), 1.0, 0.1, cpus=2) == [
         backfilled,
         dataclasses.replace(backfilled, backfill_envs=0, network_process=True),
     ]
     # either given, or no backfill worker chosen (the server's core the busier): nothing to try
-    assert stream_candidates(ThroughputConfig(network_process=False), backfilled) == [backfilled]
-    assert stream_candidates(ThroughputConfig(backfill_envs=24), backfilled) == [backfilled]
+    assert stream_candidates(ThroughputConfig(network_process=False), 1.0, 0.1, cpus=2) == [backfilled]
+    assert stream_candidates(ThroughputConfig(backfill_envs=24), 1.0, 0.1, cpus=2) == [backfilled]
     large = dataclasses.replace(backfilled, backfill_envs=0)
-    assert stream_candidates(ThroughputConfig(), large) == [large]
+    assert stream_candidates(ThroughputConfig(), 1.0, 0.9, cpus=2) == [large]
+    # a given network process: the backfill worker is still chosen beside it, and not tried
+    given_np = ThroughputConfig(network_process=True)
+    assert stream_candidates(given_np, 1.0, 0.1, cpus=2) == [given_np.placed(1.0, 0.1, cpus=2)]
 
-    a, b = stream_candidates(ThroughputConfig(), backfilled)
+    a, b = stream_candidates(ThroughputConfig(), 1.0, 0.1, cpus=2)
     in_worker = {"worker_cpus": "auto", "network_process": False, "backfill_envs": 24}
     in_np = {"worker_cpus": "auto", "network_process": True, "backfill_envs": 0}
     abba, abba_baab = [24, 0, 0, 24], [24, 0, 0, 24, 0, 24, 24, 0]
@@ -429,9 +432,8 @@ def test_bench_throughput_tries_placements_on_a_real_server() -> None:
     from edgerl.launch.processes import PolicySpec, ServerProcess, server_stats
 
     given = ThroughputConfig(env="InvertedPendulum-v5", envs=8, seconds=1.0, warmup_s=0.3)
-    placed = dataclasses.replace(given, worker_cpus="auto", backfill_envs=3, network_process=False)
-    candidates = stream_candidates(given, placed)
-    with ServerProcess(PolicySpec.from_options(placed, replicas=1), ServerConfig(port=0)) as server:
+    candidates = stream_candidates(given, 1.0, 0.1, cpus=2)  # inference cheap: a backfill worker, or not
+    with ServerProcess(PolicySpec.from_options(given, replicas=1), ServerConfig(port=0)) as server:
         best, tried = try_placements(candidates, lambda c: run_async_stream(c, server.address))
         served = server_stats(server.address)["rows"]
     assert [(t["network_process"], t["backfill_envs"]) for t in tried] == [(False, 3), (True, 0)]
