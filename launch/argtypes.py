@@ -9,14 +9,26 @@ types only make the command line's errors name the option and come before any pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from edgerl.proto.settings import UINT32_MAX, UINT64_MAX, socket_path_problem
 
 _N = TypeVar("_N", int, float)
+_C = TypeVar("_C")
+
+
+def config_from_args(cls: type[_C], a: argparse.Namespace, **overrides: Any) -> _C:
+    """A config dataclass from the parsed options named like its fields, then ``overrides``.
+
+    Fields with no option keep their defaults; an option under another name, or one
+    that needs converting, goes in ``overrides``.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{**{k: v for k, v in vars(a).items() if k in names}, **overrides})
 
 
 def bounded(

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.launch import jsonout
@@ -26,6 +26,7 @@ from edgerl.launch.argtypes import (
     WIRE_MICROSECONDS,
     add_json_option,
     bounded,
+    config_from_args,
     output_file,
     socket_path,
 )
@@ -66,18 +67,6 @@ from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_tok
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.runfiles import RunFilesError
 from edgerl.watchdog.watchdog import Fallback
-
-_C = TypeVar("_C")
-
-
-def config_from_args(cls: type[_C], a: argparse.Namespace, **overrides: Any) -> _C:
-    """A config dataclass from the parsed options named like its fields, then ``overrides``.
-
-    Fields with no option keep their defaults; an option under another name, or one
-    that needs converting, goes in ``overrides``.
-    """
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{**{k: v for k, v in vars(a).items() if k in names}, **overrides})
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -828,7 +817,7 @@ def _worker_config(a: argparse.Namespace, server: str, local_socket: str = "") -
 
 def _groups(a: argparse.Namespace) -> int:
     """Env groups per sim worker for ``--groups`` (0: chosen by envs per worker)."""
-    return fleet_groups(a.groups, a.envs - a.backfill_envs, a.workers)
+    return fleet_groups(a.groups, a.envs - (a.backfill_envs or 0), a.workers)
 
 
 def _worker_cpus(a: argparse.Namespace) -> list[int]:
@@ -866,14 +855,14 @@ def _rollout(a: argparse.Namespace) -> int:
     check_fleet(
         a.envs,
         a.workers,
-        fleet_groups(a.groups, a.envs - (a.backfill_envs or 0), a.workers),
+        _groups(a),
         max_envs_per_stream=ServerConfig.max_envs_per_stream,
         backfill_envs=a.backfill_envs or 0,
     )
     if a.worker_cpus is not None:
         kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")  # fails naming the option
     info = _served_options(a)
-    placement = place(a, lambda line: print(f"edgerl: {line}", flush=True))
+    placement = place(a, _groups(a), lambda line: print(f"edgerl: {line}", flush=True))
     policy, weights = _policy_of(a, info)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None

@@ -8,13 +8,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from edgerl.launch.processes import LLM_PRESET, WorkerFleet, fleet_groups
+from edgerl.launch.argtypes import config_from_args
+from edgerl.launch.processes import LLM_PRESET, WorkerFleet
 from edgerl.launch.progress import advance, step_bar
 
 
-def place(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+def place(a: argparse.Namespace, groups: int, say: Callable[[str], None]) -> dict[str, Any]:
     """Settle ``edgerl rollout``'s placement options on ``a`` (``worker_cpus``,
-    ``network_process``, ``backfill_envs``, ``replicas``; None or 0 where left unset).
+    ``network_process``, ``backfill_envs``, ``replicas``; None or 0 where left unset), whose
+    workers run ``groups`` env groups each as the options stand.
 
     With ``--place``, those left unset are chosen as ``edgerl bench throughput`` chooses them:
     from how a short in-process run of the envs and the policy splits its time between env
@@ -33,22 +35,13 @@ def place(a: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     measured: dict[str, Any] = {}
     if a.place:
         llm_groups = a.policy == LLM_PRESET and not a.groups  # a group per replica, once chosen
-        cfg = bench.ThroughputConfig(
-            env=a.env,
-            envs=a.envs,
+        cfg = config_from_args(
+            bench.ThroughputConfig,
+            a,
             seconds=bench.PLACING_S,
             warmup_s=bench.PLACING_WARMUP_S,
-            policy=a.policy,
-            model=a.model,
-            workers=a.workers,
-            groups=0 if llm_groups else fleet_groups(a.groups, a.envs - (a.backfill_envs or 0), a.workers),
-            torch_threads=a.torch_threads,
-            dtype=a.dtype,
-            seed=a.seed,
+            groups=0 if llm_groups else groups,
             network_process=False if a.transport == "local" else a.network_process,
-            worker_cpus=a.worker_cpus,
-            replicas=a.replicas,
-            backfill_envs=a.backfill_envs,
         )
         say(
             f"placing the run: {a.envs} envs of {a.env} and policy {a.policy} in-process for "

@@ -328,15 +328,23 @@ def run(coro: object, timeout_s: float = 120.0) -> object:
     return asyncio.run(bounded())
 
 
-def run_without_warnings(coro: object, caplog: pytest.LogCaptureFixture) -> None:
-    """:func:`run` ``coro``, then assert that nothing was logged at WARNING or above (by edgerl,
-    gRPC or asyncio): for a case the server must take in its stride. Earlier tests' gRPC
-    leftovers are taken first (:func:`take_earlier_leftovers`)."""
+def run_without_warnings(
+    coro: object, caplog: pytest.LogCaptureFixture, level: int = logging.WARNING
+) -> None:
+    """:func:`run` ``coro``, then assert that nothing was logged at ``level`` or above (by edgerl,
+    gRPC or asyncio): for a case the server must take in its stride (:func:`run_without_errors`
+    for one it may warn of). Earlier tests' gRPC leftovers are taken first
+    (:func:`take_earlier_leftovers`)."""
     take_earlier_leftovers(caplog)
     with caplog.at_level(logging.WARNING):
         run(coro)
-    faults = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    faults = [r for r in caplog.records if r.levelno >= level]
     assert faults == [], [r.getMessage() for r in faults]
+
+
+def run_without_errors(coro: object, caplog: pytest.LogCaptureFixture) -> None:
+    """:func:`run_without_warnings` at ERROR: warnings may be logged, errors not."""
+    run_without_warnings(coro, caplog, logging.ERROR)
 
 
 class ServerThread:
@@ -513,9 +521,13 @@ def pid_echo_built_in(index: int, build_s: float) -> PolicyBackend:
 
 
 def _run_a_later_grpc_loop() -> None:
-    """Run an event loop that uses gRPC (a call to a port nobody serves, then half a second), as
-    the next task of a process would. Where an earlier loop left a gRPC completion pending, it
-    arrives now, into that closed loop, and asyncio logs "Event loop is closed" (grpc/grpc#26887)."""
+    """Collect garbage, then run an event loop that uses gRPC (a call to a port nobody serves,
+    then half a second), as the next task of a process would. Where an earlier loop left a gRPC
+    completion pending, it arrives now, into that closed loop, and asyncio logs "Event loop is
+    closed" (grpc/grpc#26887). A call still open when its loop ended lets go of its operations
+    when it is collected, which the cyclic collector may do at any time: collecting first makes
+    such a call's completion arrive here."""
+    gc.collect()
 
     async def later() -> None:
         async with EdgeClient("127.0.0.1:1", timeout_s=0.5) as client:
@@ -531,10 +543,7 @@ def take_earlier_leftovers(caplog: pytest.LogCaptureFixture) -> None:
     a test that asserts what was logged then counts its own records only. A gRPC completion of a
     call whose loop has closed arrives in the next loop that uses gRPC, which logs "Event loop is
     closed" at ERROR (grpc/grpc#26887): an earlier test's leftover once failed a test of the
-    server's logs so. A call still open when its loop ended lets go of its operations when it is
-    collected, which the cyclic collector may do at any time: it collects first, so that such a
-    call's completion arrives here."""
-    gc.collect()
+    server's logs so."""
     _run_a_later_grpc_loop()
     caplog.clear()
 
@@ -545,11 +554,10 @@ def nothing_left_for_a_later_loop(caplog: pytest.LogCaptureFixture) -> Iterator[
     after its loop has closed makes the next loop using gRPC log "Event loop is closed".
 
     Earlier tests' leftovers are taken first (:func:`take_earlier_leftovers`), so that only the
-    block's own count; after the block it collects again, so that a call it left open is found
-    where it was left. The block may read ``caplog.text`` for its own records."""
+    block's own count; after the block a later loop runs again, and finds a call the block left
+    open where it was left. The block may read ``caplog.text`` for its own records."""
     take_earlier_leftovers(caplog)
     yield
-    gc.collect()
     _run_a_later_grpc_loop()
     assert "Event loop is closed" not in caplog.text
 

@@ -1020,7 +1020,8 @@ def test_bench_throughput_writes_all_modes(tmp_path: Path) -> None:
 
 def test_serve_options_become_the_server_config() -> None:
     from edgerl.edge_server.server import ServerConfig
-    from edgerl.launch.cli import build_parser, config_from_args
+    from edgerl.launch.argtypes import config_from_args
+    from edgerl.launch.cli import build_parser
 
     args = "serve --port 5151 --max-delay-us 250 --grace-s 0.5 --keepalive-s 0 --max-streams 12"
     a = build_parser().parse_args(args.split())

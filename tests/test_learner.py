@@ -46,9 +46,9 @@ from tests.helpers import (
     free_port,
     inject_fault,
     run,
+    run_without_errors,
     run_without_warnings,
     running_server,
-    take_earlier_leftovers,
     waited,
 )
 
@@ -779,10 +779,7 @@ def test_weights_past_max_message_bytes_are_published_and_every_other_request_ke
                 assert (await healthy.recv()).policy_version == 2  # the server serves on
                 await healthy.close()
 
-    take_earlier_leftovers(caplog)
-    with caplog.at_level(logging.WARNING):
-        run(main())
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    run_without_errors(main(), caplog)
 
 
 def _part(**fields: Any) -> pb.WeightsPart:
@@ -931,10 +928,7 @@ def test_a_publish_in_parts_that_is_wrong_is_refused_naming_the_part_and_the_ser
                     await stub.PublishWeightsStream(iter(parts), timeout=10)
                 ).applied  # and takes a good one
 
-    take_earlier_leftovers(caplog)
-    with caplog.at_level(logging.WARNING):
-        run(main())
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    run_without_errors(main(), caplog)
 
 
 def test_a_publish_in_parts_skipped_by_the_sync_interval_is_answered_without_its_data() -> None:
