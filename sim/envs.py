@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -90,8 +91,9 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
     them in turn reads each into the caches again. With one model, 100 HalfCheetah robots took
     46 MB instead of 107-111 MB, and stepped 1.14x faster (64 envs of a sim worker: 1.07x;
     Hopper and Ant: 1.02-1.04x; see the performance log). Pass ``share_model=False`` for an
-    env whose model is changed (say, its masses randomised per env). A model file written
-    again is compiled again, and a model is let go with the last env that uses it. Envs that
+    env whose model is changed (say, its masses randomised per env). A model whose file, or a
+    file it includes or a mesh it names, was written again is compiled again, and a model is let
+    go with the last env that uses it. Envs that
     are not MuJoCo's are built as they are.
 
     Raises:
@@ -107,8 +109,82 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
 
 
 _shared_lock = threading.Lock()
-# (model file, digest of its bytes, width, height) -> MjModel, held only while an env holds it
-_shared_models: weakref.WeakValueDictionary[tuple[str, bytes, int, int], Any] = weakref.WeakValueDictionary()
+# (model file, model_files_key of it, width, height) -> MjModel, held only while an env holds it
+_shared_models: weakref.WeakValueDictionary[tuple[str, tuple[Any, ...], int, int], Any] = (
+    weakref.WeakValueDictionary()
+)
+# model file -> model_files_key of it when a model of it was last compiled
+_files_compiled: dict[str, tuple[Any, ...]] = {}
+_COMPILER_DIRS = ("meshdir", "texturedir", "assetdir")
+
+
+def model_files_key(path: str) -> tuple[Any, ...]:
+    """What :func:`make_env`'s shared models are keyed by of the files a MuJoCo model file
+    ``path`` is compiled from: a digest of the bytes of ``path`` and of every XML file it names
+    (``<include>``, ``<model>``), read through, and the size and modification time of every other
+    file it names (meshes, textures, height fields, skins: any ``file*`` attribute), at each
+    place the compiler may look for it (beside the model file, beside the naming file, and under
+    each ``meshdir``, ``texturedir`` and ``assetdir`` of a ``<compiler>``). A place with no file
+    counts too, so a file that appears there later is seen. A file that cannot be parsed as XML
+    is keyed by its bytes alone (the compiler then says what is wrong with it).
+    """
+    root_dir = os.path.dirname(os.path.abspath(path))
+    key: list[Any] = []
+    seen: set[str] = set()
+    xml_files = [os.path.abspath(path)]
+    assets: list[tuple[str, str]] = []  # (name as written, folder of the file that names it)
+    dirs = [root_dir]
+    while xml_files:
+        name = xml_files.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            with open(name, "rb") as f:
+                data = f.read()
+        except OSError:
+            key.append((name, None))
+            continue
+        key.append((name, hashlib.blake2b(data, digest_size=16).digest()))
+        compiler_dirs, xml_names, asset_names = _named_files(data)
+        here = os.path.dirname(name)
+        dirs += [os.path.join(root_dir, d) for d in compiler_dirs]
+        for value in xml_names:
+            xml_files += sorted({os.path.join(root_dir, value), os.path.join(here, value)})
+        assets += [(value, here) for value in asset_names]
+    for value, here in assets:
+        for place in sorted({os.path.join(d, value) for d in (*dirs, here)}):
+            try:
+                st = os.stat(place)
+            except OSError:
+                key.append((place, None))
+            else:
+                key.append((place, st.st_size, st.st_mtime_ns))
+    return tuple(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _named_files(data: bytes) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The folders that the ``<compiler>`` elements of an MJCF file's bytes ``data`` set, and the
+    XML files and the other files its elements name, in the order written; nothing where
+    ``data`` is not XML. Parsed once per content: each env of a model keys it again."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError:
+        return (), (), ()
+    dirs: list[str] = []
+    xml_names: list[str] = []
+    asset_names: list[str] = []
+    for element in root.iter():
+        if element.tag == "compiler":
+            dirs += [element.get(d, "") for d in _COMPILER_DIRS if element.get(d)]
+        for attr, value in element.attrib.items():
+            if attr.startswith("file") and value:
+                is_xml = element.tag in ("include", "model") or value.lower().endswith(".xml")
+                (xml_names if is_xml else asset_names).append(value)
+    return tuple(dirs), tuple(xml_names), tuple(asset_names)
 
 
 def _sharing_model(spec: gym.envs.registration.EnvSpec) -> gym.envs.registration.EnvSpec:
@@ -143,19 +219,24 @@ def _shared_simulation(env: Any, compile_model: Callable[[Any], tuple[Any, Any]]
     which also grows the framebuffer to the env's size), the next ones take it with an
     ``MjData`` of their own.
 
-    The key holds a digest of the file's bytes, so a file written again (a model edited
-    between two runs of a notebook, say) is compiled again; files that it includes are not
-    read. The cache holds a model only as long as an env does (each ``MjData`` holds its
-    model): a process that goes through many model files keeps only those of its live envs.
+    The key holds a digest of the bytes of the model file and of the XML files it includes,
+    and the size and modification time of its meshes and textures (:func:`model_files_key`), so a
+    model whose files were written again (edited between two runs of a notebook, say) is
+    compiled again. The cache holds a model only as long as an env does (each ``MjData`` holds
+    its model): a process that goes through many model files keeps only those of its live envs.
     """
     import mujoco
 
-    with open(env.fullpath, "rb") as f:
-        digest = hashlib.blake2b(f.read(), digest_size=16).digest()
-    key = (env.fullpath, digest, env.width, env.height)
+    files = model_files_key(env.fullpath)
+    key = (env.fullpath, files, env.width, env.height)
     with _shared_lock:
         model = _shared_models.get(key)
         if model is None:
+            if _files_compiled.setdefault(env.fullpath, files) != files:
+                # MuJoCo's own asset cache knows a mesh by name and modification second: one
+                # written again within the second would come from it as it was
+                mujoco.mj_clearCache(mujoco.mj_getCache())
+                _files_compiled[env.fullpath] = files
             model, data = compile_model(env)
             _shared_models[key] = model
             return model, data

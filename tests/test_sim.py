@@ -38,7 +38,7 @@ from edgerl.launch.processes import (
     largest_request,
 )
 from edgerl.robot_client.sim_worker import SimWorker, SimWorkerConfig
-from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_env, make_vector_env
+from edgerl.sim.envs import SUPPORTED_ENVS, env_spec, make_env, make_vector_env, model_files_key
 from edgerl.sim.episodes import EpisodeLog
 from edgerl.watchdog.sched import thread_ids
 from tests.helpers import EchoPolicy, ended, free_port, run, running_server, wait_until
@@ -150,6 +150,63 @@ def test_a_model_file_written_again_is_compiled_again_and_unused_models_are_let_
     assert old() is None  # no env holds it, so neither does the cache
     assert _mujoco(second).model.opt.timestep == pytest.approx(0.01)
     second.close()
+
+
+_TETRAHEDRON = "v 0 0 0\nv 0.1 0 0\nv 0 0.1 0\nv 0 0 0.1\nf 1 3 2\nf 1 2 4\nf 1 4 3\nf 2 3 4\n"
+_PYRAMID = (  # a square base: one vertex more
+    "v 0 0 0\nv 0.1 0 0\nv 0.1 0.1 0\nv 0 0.1 0\nv 0.05 0.05 0.1\n"
+    "f 1 4 3\nf 1 3 2\nf 1 2 5\nf 2 3 5\nf 3 4 5\nf 4 1 5\n"
+)
+
+
+def test_a_model_whose_included_file_or_mesh_is_written_again_is_compiled_again(tmp_path: Path) -> None:
+    from gymnasium.envs import mujoco as gym_mujoco
+
+    xml = (Path(gym_mujoco.__file__).parent / "assets" / "inverted_pendulum.xml").read_text()
+    option = '<option gravity="0 0 -9.81" integrator="RK4" timestep="0.02"/>'
+    assert option in xml
+    main = xml.replace(option, '<include file="parts/option.xml"/>').replace(
+        '<compiler inertiafromgeom="true"/>',
+        '<compiler inertiafromgeom="true" meshdir="meshes"/><asset><mesh name="tip" file="tip.obj"/></asset>',
+    )
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "meshes").mkdir()
+    (tmp_path / "parts" / "option.xml").write_text(f"<mujoco>{option}</mujoco>")
+    (tmp_path / "meshes" / "tip.obj").write_text(_TETRAHEDRON)
+    path = tmp_path / "pendulum.xml"
+    path.write_text(main)
+
+    def built() -> Any:
+        return _mujoco(make_env("InvertedPendulum-v5", xml_file=str(path)))
+
+    first = built()
+    assert (first.model.opt.timestep, first.model.mesh_vertnum[0]) == (pytest.approx(0.02), 4)
+    assert built().model is first.model  # nothing written: shared
+    (tmp_path / "parts" / "option.xml").write_text(f"<mujoco>{option.replace('0.02', '0.01')}</mujoco>")
+    second = built()
+    assert second.model is not first.model
+    assert (second.model.opt.timestep, second.model.mesh_vertnum[0]) == (pytest.approx(0.01), 4)
+    (tmp_path / "meshes" / "tip.obj").write_text(_PYRAMID)
+    third = built()
+    assert third.model is not second.model
+    assert (third.model.opt.timestep, third.model.mesh_vertnum[0]) == (pytest.approx(0.01), 5)
+    assert built().model is third.model
+    assert first.model.opt.timestep == pytest.approx(0.02)  # live envs keep theirs
+    for env in (first, second, third):
+        env.close()
+
+
+def test_model_files_key_follows_includes_once_and_counts_missing_files(tmp_path: Path) -> None:
+    texture = '<asset><texture file="t.png"/></asset>'
+    (tmp_path / "a.xml").write_text(f'<mujoco><include file="b.xml"/>{texture}</mujoco>')
+    (tmp_path / "b.xml").write_text('<mujoco><include file="a.xml"/></mujoco>')  # a loop: read once
+    key = model_files_key(str(tmp_path / "a.xml"))
+    assert [entry[0] for entry in key] == [str(tmp_path / n) for n in ("a.xml", "b.xml", "t.png")]
+    assert key[2] == (str(tmp_path / "t.png"), None)  # not there yet
+    (tmp_path / "t.png").write_bytes(b"png")
+    assert model_files_key(str(tmp_path / "a.xml"))[2][1] == 3  # there now: its size counts
+    (tmp_path / "c.xml").write_text("<mujoco><unclosed></mujoco>")
+    assert len(model_files_key(str(tmp_path / "c.xml"))) == 1  # its bytes alone
 
 
 _TIMER_PROBE = """
