@@ -270,6 +270,7 @@ def try_placements(
     candidates: list[ThroughputConfig],
     measure: Callable[[ThroughputConfig], float],
     progress: Callable[[str], None] = lambda s: None,
+    what: str = "async_stream",
 ) -> tuple[ThroughputConfig, list[dict[str, Any]]]:
     """The candidate under which ``measure`` (async_stream's env steps/s under a config: see
     :func:`run`) gave the most, with each candidate's placement and runs (none where there was one
@@ -278,7 +279,8 @@ def try_placements(
     speed moved more than the placements differ), twice more in BAAB order; the highest median
     wins, the first on a tie. One outlying run then no longer decides: on a machine at a third of
     its speed the backfill worker's runs were 14,261 and 10,683 env steps/s against the network
-    process's 10,895 and 10,718, and the first decided."""
+    process's 10,895 and 10,718, and the first decided. ``progress`` is told of each run, as a
+    run of ``what``."""
     if len(candidates) < 2:
         return candidates[0], []
     order = list(range(len(candidates)))
@@ -286,7 +288,7 @@ def try_placements(
 
     def run(i: int) -> None:
         c = candidates[i]
-        progress(f"  trying async_stream: {describe_placement(c)}")
+        progress(f"  trying {what}: {describe_placement(c)}")
         trial = replace(c, seconds=min(c.seconds, TRIAL_S), warmup_s=min(c.warmup_s, TRIAL_WARMUP_S))
         rates[i].append(measure(trial))
         progress(f"    {rates[i][-1]:,.0f} env steps/s")

@@ -36,6 +36,8 @@ from edgerl.launch.bench_throughput import (
     PLACING_S,
     PLACING_WARMUP_S,
     REPLICAS_ABOVE,
+    TRIAL_S,
+    TRIAL_WARMUP_S,
 )
 from edgerl.launch.checkpoints import LLM_KIND, CheckpointInfo, read_checkpoint
 from edgerl.launch.processes import (
@@ -58,6 +60,7 @@ from edgerl.launch.processes import (
     other_cpus,
     server_stats,
 )
+from edgerl.launch.rollout import PLACE_RULE, PLACE_TRIAL
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S
@@ -409,11 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workers(p, workers=DEFAULT_WORKERS, placed=PLACE)
     p.add_argument(
         "--place",
-        action="store_true",
+        nargs="?",
+        const=PLACE_RULE,
+        choices=[PLACE_RULE, PLACE_TRIAL],
+        default=None,
         help="choose the placement options left unset (--worker-cpus, --network-process, "
         "--backfill-envs, --replicas) from how a short in-process run of the envs and the policy "
         f"(~{PLACING_WARMUP_S + PLACING_S:g} s, before the server starts) splits its time between env "
-        "stepping and inference, as edgerl bench throughput does (without its trial of two placements)",
+        f"stepping and inference, as edgerl bench throughput does ('{PLACE_RULE}', the default); "
+        f"'{PLACE_TRIAL}': where that rule leaves two ways to take work off the workers (a backfill "
+        "worker, or the stream in a network process), also run each on the server in turn, as the "
+        f"bench does (4 runs of ~{TRIAL_WARMUP_S + TRIAL_S:g} s after the workers start; 8 where they "
+        "are close), and keep the faster",
     )
     _add_batching(p)
     p.add_argument("--seconds", type=NON_NEGATIVE, default=30.0, help="run time (0: until --steps or Ctrl-C)")
@@ -849,7 +859,7 @@ def _sim(a: argparse.Namespace) -> int:
 
 
 def _rollout(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import place, watch
+    from edgerl.launch.rollout import place, try_placements, watch
 
     # before the server starts (and before --place measures)
     check_fleet(
@@ -862,7 +872,11 @@ def _rollout(a: argparse.Namespace) -> int:
     if a.worker_cpus is not None:
         kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")  # fails naming the option
     info = _served_options(a)
-    placement = place(a, _groups(a), lambda line: print(f"edgerl: {line}", flush=True))
+
+    def say(line: str) -> None:
+        print(f"edgerl: {line}", flush=True)
+
+    placement, candidates = place(a, _groups(a), say)
     policy, weights = _policy_of(a, info)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
@@ -878,6 +892,7 @@ def _rollout(a: argparse.Namespace) -> int:
             f"{a.envs} envs of {a.env} over {via}",
             flush=True,
         )
+        try_placements(a, candidates, server.address, placement, say)
         with _fleet(a, server.address, local) as fleet:
             summary = watch(
                 fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check

@@ -6,33 +6,49 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgerl.launch.argtypes import config_from_args
 from edgerl.launch.processes import LLM_PRESET, WorkerFleet
 from edgerl.launch.progress import advance, step_bar
 
+if TYPE_CHECKING:
+    from edgerl.launch.bench_throughput import ThroughputConfig
 
-def place(a: argparse.Namespace, groups: int, say: Callable[[str], None]) -> dict[str, Any]:
+
+PLACE_RULE, PLACE_TRIAL = "rule", "trial"
+"""How ``edgerl rollout --place`` chooses: by the rule alone, or by the rule and a trial where it
+leaves two placements of the stream (:func:`place`)."""
+
+
+def place(
+    a: argparse.Namespace, groups: int, say: Callable[[str], None]
+) -> tuple[dict[str, Any], list[ThroughputConfig]]:
     """Settle ``edgerl rollout``'s placement options on ``a`` (``worker_cpus``,
     ``network_process``, ``backfill_envs``, ``replicas``; None or 0 where left unset), whose
     workers run ``groups`` env groups each as the options stand.
 
-    With ``--place``, those left unset are chosen as ``edgerl bench throughput`` chooses them:
-    from how a short in-process run of the envs and the policy splits its time between env
-    stepping and inference (:meth:`~edgerl.launch.bench_throughput.ThroughputConfig.placed`),
-    without the bench's trial of two placements. With ``--transport local`` the stream stays in
-    the worker (there is no gRPC stream to move). The rest, and all of them without ``--place``,
-    are no placement: no pinning, the stream in the worker, no backfill worker, one replica.
-    With the llm policy and ``--groups 0``, the workers get a group per replica, as in the bench.
+    With ``--place`` (``a.place``: :data:`PLACE_RULE` or :data:`PLACE_TRIAL`), those left unset
+    are chosen as ``edgerl bench throughput`` chooses them: from how a short in-process run of
+    the envs and the policy splits its time between env stepping and inference
+    (:meth:`~edgerl.launch.bench_throughput.ThroughputConfig.placed`). With ``--transport local``
+    the stream stays in the worker (there is no gRPC stream to move). With :data:`PLACE_TRIAL`,
+    where the rule leaves the bench two placements of the stream (a backfill worker, or the
+    stream in a network process: :func:`~edgerl.launch.bench_throughput.stream_candidates`),
+    both are returned, to be tried on the server (:func:`try_placements`); ``a`` then holds the
+    first. The rest, and all of them without ``--place``, are no placement: no pinning, the
+    stream in the worker, no backfill worker, one replica. With the llm policy and ``--groups
+    0``, the workers get a group per replica, as in the bench.
 
     Returns:
-        The placement as settled, for the summary; with ``--place`` also the in-process run's
-        env steps/s and its inference time per env-stepping time.
+        The placement as settled, for the summary, with ``--place`` also the in-process run's
+        env steps/s and its inference time per env-stepping time; and the placements to try
+        (none, or two).
     """
     from edgerl.launch import bench_throughput as bench
 
     measured: dict[str, Any] = {}
+    candidates: list[ThroughputConfig] = []
     if a.place:
         llm_groups = a.policy == LLM_PRESET and not a.groups  # a group per replica, once chosen
         cfg = config_from_args(
@@ -48,7 +64,10 @@ def place(a: argparse.Namespace, groups: int, say: Callable[[str], None]) -> dic
             f"{bench.PLACING_WARMUP_S + bench.PLACING_S:g} s"
         )
         steps_per_s, env_s, inference_s = bench.run_sync_inprocess(cfg)
-        cfg = cfg.placed(env_s, inference_s, bench.inference_cpus())
+        candidates = bench.stream_candidates(cfg, env_s, inference_s, bench.inference_cpus())
+        if a.place != PLACE_TRIAL:
+            candidates = candidates[:1]
+        cfg = candidates[0]
         a.worker_cpus, a.network_process = cfg.worker_cpus, cfg.network_process
         a.backfill_envs, a.replicas = cfg.backfill_envs, cfg.replicas
         a.groups = cfg.groups if llm_groups else a.groups
@@ -58,11 +77,13 @@ def place(a: argparse.Namespace, groups: int, say: Callable[[str], None]) -> dic
             f"placed: {bench.describe_placement(cfg)}, {cfg.replicas} policy replica(s) "
             f"(inference took {share:.2f}x the time of env stepping)"
         )
+        for other in candidates[1:]:
+            say(f"to be tried on the server against: {bench.describe_placement(other)}")
     a.worker_cpus = a.worker_cpus or "off"
     a.network_process = bool(a.network_process)
     a.backfill_envs = a.backfill_envs or 0
     a.replicas = a.replicas or 1
-    return {
+    placement = {
         "chosen": bool(a.place),
         "worker_cpus": a.worker_cpus,
         "network_process": a.network_process,
@@ -70,6 +91,34 @@ def place(a: argparse.Namespace, groups: int, say: Callable[[str], None]) -> dic
         "replicas": a.replicas,
         **measured,
     }
+    return placement, candidates[1:] and candidates
+
+
+def try_placements(
+    a: argparse.Namespace,
+    candidates: list[ThroughputConfig],
+    address: str,
+    placement: dict[str, Any],
+    say: Callable[[str], None],
+) -> None:
+    """Where :func:`place` left two ``candidates``, run sim workers under each against the server
+    at ``address`` as ``edgerl bench throughput`` tries its placements
+    (:func:`~edgerl.launch.bench_throughput.try_placements`: runs of a few seconds, in ABBA
+    order), and settle ``a``'s ``network_process`` and ``backfill_envs`` on the one that made the
+    most env steps/s. ``placement`` (the summary's) gets them, and ``tried``: each candidate's
+    placement and env steps/s. Nothing is run for fewer than two."""
+    from edgerl.launch import bench_throughput as bench
+
+    if len(candidates) < 2:
+        return
+    trial_s = bench.TRIAL_WARMUP_S + bench.TRIAL_S
+    say(f"trying {len(candidates)} placements on the server, {trial_s:g} s a run after the workers start")
+    best, tried = bench.try_placements(
+        candidates, lambda c: bench.run_async_stream(c, address), say, what="the placement"
+    )
+    a.network_process, a.backfill_envs = bool(best.network_process), best.backfill_envs or 0
+    placement.update(network_process=a.network_process, backfill_envs=a.backfill_envs, tried=tried)
+    say(f"placed by trial: {bench.describe_placement(best)}")
 
 
 def watch(

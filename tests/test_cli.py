@@ -539,7 +539,32 @@ def test_rollout_place_takes_work_off_the_workers_where_inference_is_cheap(
     }
     assert {k: placement[k] for k in chosen} == chosen
     assert f"{chosen['backfill_envs']} backfill env(s)" in out.stdout  # said before the run
+    assert "tried" not in placement and "trying" not in out.stdout  # by the rule alone
     assert summary["env_steps"] > 0 and summary["server"]["failed_requests"] == 0
+
+
+def test_rollout_place_trial_runs_both_ways_off_the_workers_and_keeps_the_faster(tmp_path: Path) -> None:
+    """Where the rule leaves two placements (inference cheap: a backfill worker, or the stream in a
+    network process), ``--place trial`` runs each on the server in ABBA order, and the run keeps
+    the one with the higher median."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("placing needs a CPU for the worker and one for the server")
+    path = tmp_path / "rollout.json"
+    out = _edgerl("rollout --env Ant-v5 --envs 16 --policy mlp-small --seconds 2 --place trial", path)
+    placement = json.loads(path.read_text())["placement"]
+    tried = placement.pop("tried")
+    ways = [{k: t[k] for k in ("worker_cpus", "network_process", "backfill_envs")} for t in tried]
+    assert ways == [
+        {"worker_cpus": "auto", "network_process": False, "backfill_envs": 6},
+        {"worker_cpus": "auto", "network_process": True, "backfill_envs": 0},
+    ]
+    runs = [t["env_steps_per_s"] for t in tried]
+    assert {len(r) for r in runs} <= {2, 4} and len(runs[0]) == len(runs[1]) and min(map(min, runs)) > 0
+    best = max(range(2), key=lambda i: statistics.median(runs[i]))
+    assert {k: placement[k] for k in ways[best]} == ways[best]  # the run kept the faster
+    assert out.stdout.count("trying the placement:") == 2 * len(runs[0])
+    stream = "in the worker" if best == 0 else "in a network process"
+    assert f"placed by trial: sim worker CPUs auto, stream {stream}" in out.stdout
 
 
 def test_rollout_place_serves_replicas_where_inference_is_costly(tmp_path: Path) -> None:
