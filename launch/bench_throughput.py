@@ -482,7 +482,15 @@ def run_async_stream(
 
 
 #: The server's counters that :func:`mode_stats` takes per mode: what its runs added to them.
-MODE_COUNTERS = ("requests", "batches", "rows", "rejected_queue_full", "rejected_invalid", "failed_requests")
+MODE_COUNTERS = (
+    "requests",
+    "batches",
+    "rows",
+    "rejected_queue_full",
+    "rejected_invalid",
+    "rejected_streams",
+    "failed_requests",
+)
 #: The server's percentiles, each with the counter of the samples it is taken over.
 MODE_PERCENTILES = {
     "queue_wait_us_p50": "requests",

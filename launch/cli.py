@@ -38,6 +38,7 @@ from edgerl.launch.bench_throughput import (
     REPLICAS_ABOVE,
     TRIAL_S,
     TRIAL_WARMUP_S,
+    mode_stats,
 )
 from edgerl.launch.checkpoints import LLM_KIND, CheckpointInfo, read_checkpoint
 from edgerl.launch.processes import (
@@ -893,12 +894,15 @@ def _rollout(a: argparse.Namespace) -> int:
             flush=True,
         )
         try_placements(a, candidates, server.address, placement, say)
+        before = server_stats(server.address) if candidates else None
         with _fleet(a, server.address, local) as fleet:
             summary = watch(
                 fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check
             )
         summary["placement"] = placement
-        summary["server"] = server_stats(server.address)
+        after = server_stats(server.address)
+        # after a trial, what the run added (its largest batch stays the server's largest)
+        summary["server"] = after if before is None else {**after, **mode_stats(None, before, after)}
     return _report(summary, a.json)
 
 

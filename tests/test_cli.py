@@ -463,18 +463,20 @@ def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
     from edgerl.launch.bench_throughput import mode_stats
 
     def stats(
-        requests: int, batches: int, rows: int, queue_full: int = 0, failed: int = 0
+        requests: int, batches: int, rows: int, *, queue_full: int = 0, failed: int = 0, refused: int = 0
     ) -> dict[str, float]:
         totals = {"requests": requests, "batches": batches, "rows": rows, "rejected_invalid": 0}
-        totals["failed_requests"] = failed
+        totals["failed_requests"], totals["rejected_streams"] = failed, refused
         percentiles = {"queue_wait_us_p50": 11, "queue_wait_us_p99": 99, "inference_us_p50": rows % 1000}
         extra = {"inference_us_p99": 2000, "max_batch_rows": 64, "mean_batch_rows": 1.0, "policy_version": 7}
         return {**totals, "rejected_queue_full": queue_full, **percentiles, **extra}
 
     # the server's totals since start hold an earlier mode's 100 requests of one row
-    first = mode_stats(None, stats(100, 100, 100, failed=1), stats(300, 150, 6500, queue_full=2, failed=4))
+    before = stats(100, 100, 100, failed=1, refused=5)
+    first = mode_stats(None, before, stats(300, 150, 6500, queue_full=2, failed=4, refused=6))
     assert first == {
         **{"requests": 200, "batches": 50, "rows": 6400, "rejected_queue_full": 2, "rejected_invalid": 0},
+        "rejected_streams": 1,
         "failed_requests": 3,
         "mean_batch_rows": 128.0,
         # the server's window holds the earlier mode's samples too: no percentile is this mode's
@@ -551,13 +553,19 @@ def test_rollout_place_trial_runs_both_ways_off_the_workers_and_keeps_the_faster
         pytest.skip("placing needs a CPU for the worker and one for the server")
     path = tmp_path / "rollout.json"
     out = _edgerl("rollout --env Ant-v5 --envs 16 --policy mlp-small --seconds 2 --place trial", path)
-    placement = json.loads(path.read_text())["placement"]
+    summary = json.loads(path.read_text())
+    placement, server = summary["placement"], summary["server"]
     tried = placement.pop("tried")
+    # the run's own rows (each env's last answer may be unstepped), not the trial's 4 or 8 runs
+    assert 0 < server["rows"] <= summary["env_steps"] + 16 and server["failed_requests"] == 0
     ways = [{k: t[k] for k in ("worker_cpus", "network_process", "backfill_envs")} for t in tried]
     assert ways == [
         {"worker_cpus": "auto", "network_process": False, "backfill_envs": 6},
         {"worker_cpus": "auto", "network_process": True, "backfill_envs": 0},
     ]
+    summary = json.loads(path.read_text())
+    server = summary["server"]  # the run's alone: the trial's runs (4 or 8 of ~3 s) not counted
+    assert 0 < server["rows"] <= summary["env_steps"] + 16 and server["failed_requests"] == 0
     runs = [t["env_steps_per_s"] for t in tried]
     assert {len(r) for r in runs} <= {2, 4} and len(runs[0]) == len(runs[1]) and min(map(min, runs)) > 0
     best = max(range(2), key=lambda i: statistics.median(runs[i]))
