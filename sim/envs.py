@@ -93,8 +93,7 @@ def make_env(env_name: str, *, share_model: bool = True, **kwargs: Any) -> gym.E
     Hopper and Ant: 1.02-1.04x; see the performance log). Pass ``share_model=False`` for an
     env whose model is changed (say, its masses randomised per env). A model whose file, or a
     file it includes or a mesh it names, was written again is compiled again, and a model is let
-    go with the last env that uses it. Envs that
-    are not MuJoCo's are built as they are.
+    go with the last env that uses it. Envs that are not MuJoCo's are built as they are.
 
     Raises:
         ValueError: gymnasium refused the env (an unknown id, say), named in the message.
@@ -115,6 +114,9 @@ _shared_models: weakref.WeakValueDictionary[tuple[str, tuple[Any, ...], int, int
 )
 # model file -> model_files_key of it when a model of it was last compiled
 _files_compiled: dict[str, tuple[Any, ...]] = {}
+# digest of an MJCF file's bytes -> _named_files of them (the last _MAX_PARSED contents)
+_parsed: dict[bytes, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+_MAX_PARSED = 64
 _COMPILER_DIRS = ("meshdir", "texturedir", "assetdir")
 
 
@@ -126,7 +128,9 @@ def model_files_key(path: str) -> tuple[Any, ...]:
     place the compiler may look for it (beside the model file, beside the naming file, and under
     each ``meshdir``, ``texturedir`` and ``assetdir`` of a ``<compiler>``). A place with no file
     counts too, so a file that appears there later is seen. A file that cannot be parsed as XML
-    is keyed by its bytes alone (the compiler then says what is wrong with it).
+    is keyed by its bytes alone (the compiler then says what is wrong with it). Each content is
+    parsed once (the last 64 kept): every env of a model keys it again. Not thread-safe:
+    :func:`make_env` calls it under its lock.
     """
     root_dir = os.path.dirname(os.path.abspath(path))
     key: list[Any] = []
@@ -145,8 +149,13 @@ def model_files_key(path: str) -> tuple[Any, ...]:
         except OSError:
             key.append((name, None))
             continue
-        key.append((name, hashlib.blake2b(data, digest_size=16).digest()))
-        compiler_dirs, xml_names, asset_names = _named_files(data)
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        key.append((name, digest))
+        if digest not in _parsed:
+            if len(_parsed) >= _MAX_PARSED:
+                del _parsed[next(iter(_parsed))]
+            _parsed[digest] = _named_files(data)
+        compiler_dirs, xml_names, asset_names = _parsed[digest]
         here = os.path.dirname(name)
         dirs += [os.path.join(root_dir, d) for d in compiler_dirs]
         for value in xml_names:
@@ -163,11 +172,10 @@ def model_files_key(path: str) -> tuple[Any, ...]:
     return tuple(key)
 
 
-@functools.lru_cache(maxsize=64)
 def _named_files(data: bytes) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The folders that the ``<compiler>`` elements of an MJCF file's bytes ``data`` set, and the
     XML files and the other files its elements name, in the order written; nothing where
-    ``data`` is not XML. Parsed once per content: each env of a model keys it again."""
+    ``data`` is not XML."""
     import xml.etree.ElementTree as ET
 
     try:
@@ -227,9 +235,9 @@ def _shared_simulation(env: Any, compile_model: Callable[[Any], tuple[Any, Any]]
     """
     import mujoco
 
-    files = model_files_key(env.fullpath)
-    key = (env.fullpath, files, env.width, env.height)
     with _shared_lock:
+        files = model_files_key(env.fullpath)
+        key = (env.fullpath, files, env.width, env.height)
         model = _shared_models.get(key)
         if model is None:
             if _files_compiled.setdefault(env.fullpath, files) != files:

@@ -209,6 +209,29 @@ def test_model_files_key_follows_includes_once_and_counts_missing_files(tmp_path
     assert len(model_files_key(str(tmp_path / "c.xml"))) == 1  # its bytes alone
 
 
+def test_model_files_key_parses_each_content_once_and_keeps_the_last_64(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgerl.sim import envs
+
+    parsed: list[bytes] = []
+    parse = envs._named_files
+
+    def counted(data: bytes) -> Any:
+        parsed.append(data)
+        return parse(data)
+
+    monkeypatch.setattr(envs, "_named_files", counted)
+    monkeypatch.setattr(envs, "_parsed", {})
+    path = tmp_path / "m.xml"
+    for i in range(70):
+        path.write_text(f'<mujoco model="m{i}"><asset><mesh file="m{i}.obj"/></asset></mujoco>')
+        first, again = model_files_key(str(path)), model_files_key(str(path))
+        assert first == again and first[1] == (str(tmp_path / f"m{i}.obj"), None)
+    assert len(parsed) == 70  # once per content, not per key
+    assert len(envs._parsed) == envs._MAX_PARSED == 64
+
+
 _TIMER_PROBE = """
 import json, sys, time
 import gymnasium as gym
