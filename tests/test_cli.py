@@ -556,8 +556,9 @@ def test_rollout_place_trial_runs_both_ways_off_the_workers_and_keeps_the_faster
     summary = json.loads(path.read_text())
     placement, server = summary["placement"], summary["server"]
     tried = placement.pop("tried")
-    # the run's own rows (each env's last answer may be unstepped), not the trial's 4 or 8 runs
-    assert 0 < server["rows"] <= summary["env_steps"] + 16 and server["failed_requests"] == 0
+    # the run's own rows, not the thousands of the trial's 4 or 8 runs: each env's last answer may
+    # be unstepped, in the run and in the trial's last batch
+    assert 0 < server["rows"] <= summary["env_steps"] + 2 * 16 and server["failed_requests"] == 0
     ways = [{k: t[k] for k in ("worker_cpus", "network_process", "backfill_envs")} for t in tried]
     assert ways == [
         {"worker_cpus": "auto", "network_process": False, "backfill_envs": 6},
