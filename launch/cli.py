@@ -417,14 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
         const=PLACE_RULE,
         choices=[PLACE_RULE, PLACE_TRIAL],
         default=None,
-        help="choose the placement options left unset (--worker-cpus, --network-process, "
-        "--backfill-envs, --replicas) from how a short in-process run of the envs and the policy "
-        f"(~{PLACING_WARMUP_S + PLACING_S:g} s, before the server starts) splits its time between env "
-        f"stepping and inference, as edgerl bench throughput does ('{PLACE_RULE}', the default); "
-        f"'{PLACE_TRIAL}': where that rule leaves two ways to take work off the workers (a backfill "
-        "worker, or the stream in a network process), also run each on the server in turn, as the "
-        f"bench does (4 runs of ~{TRIAL_WARMUP_S + TRIAL_S:g} s after the workers start; 8 where they "
-        "are close), and keep the faster",
+        help="choose the placement options left unset (--worker-cpus, --network-process, --backfill-envs, "
+        f"--replicas) as bench throughput does: '{PLACE_RULE}' from a ~{PLACING_WARMUP_S + PLACING_S:g} s "
+        f"in-process run before the server starts; '{PLACE_TRIAL}' also runs the rule's two ways off "
+        f"the workers, where it leaves two, on the server (4 or 8 runs of ~{TRIAL_WARMUP_S + TRIAL_S:g} s) "
+        f"and keeps the faster (default: off; alone: {PLACE_RULE})",
     )
     _add_batching(p)
     p.add_argument("--seconds", type=NON_NEGATIVE, default=30.0, help="run time (0: until --steps or Ctrl-C)")
