@@ -564,9 +564,6 @@ def test_rollout_place_trial_runs_both_ways_off_the_workers_and_keeps_the_faster
         {"worker_cpus": "auto", "network_process": False, "backfill_envs": 6},
         {"worker_cpus": "auto", "network_process": True, "backfill_envs": 0},
     ]
-    summary = json.loads(path.read_text())
-    server = summary["server"]  # the run's alone: the trial's runs (4 or 8 of ~3 s) not counted
-    assert 0 < server["rows"] <= summary["env_steps"] + 16 and server["failed_requests"] == 0
     runs = [t["env_steps_per_s"] for t in tried]
     assert {len(r) for r in runs} <= {2, 4} and len(runs[0]) == len(runs[1]) and min(map(min, runs)) > 0
     best = max(range(2), key=lambda i: statistics.median(runs[i]))
