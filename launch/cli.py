@@ -857,7 +857,7 @@ def _sim(a: argparse.Namespace) -> int:
 
 
 def _rollout(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import place, try_placements, watch
+    from edgerl.launch.rollout import place, placement_summary, try_placements, watch
 
     # before the server starts (and before --place measures)
     check_fleet(
@@ -874,7 +874,7 @@ def _rollout(a: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"edgerl: {line}", flush=True)
 
-    placement, candidates = place(a, _groups(a), say)
+    measured, candidates = place(a, _groups(a), say)
     policy, weights = _policy_of(a, info)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
@@ -890,13 +890,13 @@ def _rollout(a: argparse.Namespace) -> int:
             f"{a.envs} envs of {a.env} over {via}",
             flush=True,
         )
-        try_placements(a, candidates, server.address, placement, say)
+        tried = try_placements(a, candidates, server.address, say)
         before = server_stats(server.address) if candidates else None
         with _fleet(a, server.address, local) as fleet:
             summary = watch(
                 fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check
             )
-        summary["placement"] = placement
+        summary["placement"] = placement_summary(a, measured, tried)
         after = server_stats(server.address)
         # after a trial, what the run added (its largest batch stays the server's largest)
         summary["server"] = after if before is None else {**after, **mode_stats(None, before, after)}

@@ -41,14 +41,14 @@ def place(
     0``, the workers get a group per replica, as in the bench.
 
     Returns:
-        The placement as settled, for the summary, with ``--place`` also the in-process run's
-        env steps/s and its inference time per env-stepping time; and the placements to try
+        With ``--place``, the in-process run's env steps/s and its inference time per
+        env-stepping time, for the summary (:func:`placement_summary`); and the placements to try
         (none, or two).
     """
     from edgerl.launch import bench_throughput as bench
 
     measured: dict[str, Any] = {}
-    candidates: list[ThroughputConfig] = []
+    to_try: list[ThroughputConfig] = []
     if a.place:
         llm_groups = a.policy == LLM_PRESET and not a.groups  # a group per replica, once chosen
         cfg = config_from_args(
@@ -65,11 +65,8 @@ def place(
         )
         steps_per_s, env_s, inference_s = bench.run_sync_inprocess(cfg)
         candidates = bench.stream_candidates(cfg, env_s, inference_s, bench.inference_cpus())
-        if a.place != PLACE_TRIAL:
-            candidates = candidates[:1]
         cfg = candidates[0]
-        a.worker_cpus, a.network_process = cfg.worker_cpus, cfg.network_process
-        a.backfill_envs, a.replicas = cfg.backfill_envs, cfg.replicas
+        _adopt(a, cfg)
         a.groups = cfg.groups if llm_groups else a.groups
         share = inference_s / max(env_s, 1e-12)
         measured = {"inprocess_steps_per_s": round(steps_per_s, 1), "inference_per_env_s": round(share, 3)}
@@ -77,48 +74,64 @@ def place(
             f"placed: {bench.describe_placement(cfg)}, {cfg.replicas} policy replica(s) "
             f"(inference took {share:.2f}x the time of env stepping)"
         )
-        for other in candidates[1:]:
-            say(f"to be tried on the server against: {bench.describe_placement(other)}")
+        if a.place == PLACE_TRIAL and len(candidates) > 1:
+            to_try = candidates
+            for other in candidates[1:]:
+                say(f"to be tried on the server against: {bench.describe_placement(other)}")
     a.worker_cpus = a.worker_cpus or "off"
     a.network_process = bool(a.network_process)
     a.backfill_envs = a.backfill_envs or 0
     a.replicas = a.replicas or 1
-    placement = {
+    return measured, to_try
+
+
+def _adopt(a: argparse.Namespace, cfg: ThroughputConfig) -> None:
+    """Set ``a``'s placement options to those of ``cfg``, a placed config."""
+    a.worker_cpus, a.network_process = cfg.worker_cpus, cfg.network_process
+    a.backfill_envs, a.replicas = cfg.backfill_envs, cfg.replicas
+
+
+def try_placements(
+    a: argparse.Namespace, candidates: list[ThroughputConfig], address: str, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Where :func:`place` left two ``candidates``, run sim workers under each against the server
+    at ``address`` as ``edgerl bench throughput`` tries its placements
+    (:func:`~edgerl.launch.bench_throughput.try_placements`: runs of a few seconds, in ABBA
+    order), and settle ``a``'s placement options on the one that made the most env steps/s.
+    Nothing is run for fewer than two.
+
+    Returns:
+        Each candidate's placement and env steps/s (none where nothing was run).
+    """
+    from edgerl.launch import bench_throughput as bench
+
+    if len(candidates) < 2:
+        return []
+    trial_s = bench.TRIAL_WARMUP_S + bench.TRIAL_S
+    say(f"trying {len(candidates)} placements on the server, {trial_s:g} s a run after the workers start")
+    best, tried = bench.try_placements(
+        candidates, lambda c: bench.run_async_stream(c, address), say, what="the placement"
+    )
+    _adopt(a, best)
+    say(f"placed by trial: {bench.describe_placement(best)}")
+    return tried
+
+
+def placement_summary(
+    a: argparse.Namespace, measured: dict[str, Any], tried: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The summary's ``placement``: whether it was chosen, the placement options as they ran
+    (``a``'s, once settled), what :func:`place` ``measured``, and what a trial ``tried`` (if
+    any)."""
+    return {
         "chosen": bool(a.place),
         "worker_cpus": a.worker_cpus,
         "network_process": a.network_process,
         "backfill_envs": a.backfill_envs,
         "replicas": a.replicas,
         **measured,
+        **({"tried": tried} if tried else {}),
     }
-    return placement, candidates[1:] and candidates
-
-
-def try_placements(
-    a: argparse.Namespace,
-    candidates: list[ThroughputConfig],
-    address: str,
-    placement: dict[str, Any],
-    say: Callable[[str], None],
-) -> None:
-    """Where :func:`place` left two ``candidates``, run sim workers under each against the server
-    at ``address`` as ``edgerl bench throughput`` tries its placements
-    (:func:`~edgerl.launch.bench_throughput.try_placements`: runs of a few seconds, in ABBA
-    order), and settle ``a``'s ``network_process`` and ``backfill_envs`` on the one that made the
-    most env steps/s. ``placement`` (the summary's) gets them, and ``tried``: each candidate's
-    placement and env steps/s. Nothing is run for fewer than two."""
-    from edgerl.launch import bench_throughput as bench
-
-    if len(candidates) < 2:
-        return
-    trial_s = bench.TRIAL_WARMUP_S + bench.TRIAL_S
-    say(f"trying {len(candidates)} placements on the server, {trial_s:g} s a run after the workers start")
-    best, tried = bench.try_placements(
-        candidates, lambda c: bench.run_async_stream(c, address), say, what="the placement"
-    )
-    a.network_process, a.backfill_envs = bool(best.network_process), best.backfill_envs or 0
-    placement.update(network_process=a.network_process, backfill_envs=a.backfill_envs, tried=tried)
-    say(f"placed by trial: {bench.describe_placement(best)}")
 
 
 def watch(

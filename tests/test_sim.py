@@ -176,8 +176,11 @@ def test_a_model_whose_included_file_or_mesh_is_written_again_is_compiled_again(
     path = tmp_path / "pendulum.xml"
     path.write_text(main)
 
+    envs: list[gym.Env[Any, Any]] = []
+
     def built() -> Any:
-        return _mujoco(make_env("InvertedPendulum-v5", xml_file=str(path)))
+        envs.append(make_env("InvertedPendulum-v5", xml_file=str(path)))
+        return _mujoco(envs[-1])
 
     first = built()
     assert (first.model.opt.timestep, first.model.mesh_vertnum[0]) == (pytest.approx(0.02), 4)
@@ -192,7 +195,7 @@ def test_a_model_whose_included_file_or_mesh_is_written_again_is_compiled_again(
     assert (third.model.opt.timestep, third.model.mesh_vertnum[0]) == (pytest.approx(0.01), 5)
     assert built().model is third.model
     assert first.model.opt.timestep == pytest.approx(0.02)  # live envs keep theirs
-    for env in (first, second, third):
+    for env in envs:
         env.close()
 
 
