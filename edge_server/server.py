@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from edgerl.edge_server.backend import PolicyBackend, publish_limit, weights_lim
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
+from edgerl.edge_server.metrics import MetricsServer, exposition
 from edgerl.edge_server.parsing import add_servicer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
@@ -100,6 +102,10 @@ class ServerConfig:
     local_socket: str = ""
     """Path of a Unix socket that serves the Act stream without gRPC to clients on this machine
     (see edgerl.edge_server.local); empty: none."""
+    metrics_port: int | None = None
+    """Port on ``host`` where ``GET /metrics`` gives the ``Stats`` counters in Prometheus's text
+    format (see edgerl.edge_server.metrics); 0 picks a free one (read it back from
+    ``EdgeServer.metrics_port``); None: none."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -109,8 +115,10 @@ class ServerConfig:
         for name in ("max_batch_size", "max_queue_rows", "max_envs_per_stream", "max_streams"):
             check_wire_int(name, getattr(self, name))  # ServerLimits carries them
         check_wire_int("max_delay_us", self.max_delay_us, UINT64_MAX)
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.max_delay_us < 0:
             raise ValueError(f"max_delay_us must be >= 0, got {self.max_delay_us}")
         if self.max_queue_rows < self.max_batch_size:
@@ -206,12 +214,32 @@ class EdgeServer:
             if cfg.local_socket
             else None
         )
+        self.metrics = MetricsServer(self.metrics_text) if cfg.metrics_port is not None else None
         self._server: grpc.aio.Server | None = None
         self.port = 0
 
     @property
     def address(self) -> str:
         return _host_port(self.config.host, self.port)
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound port of ``GET /metrics``; 0 where there is none or it is not bound yet."""
+        return self.metrics.port if self.metrics is not None else 0
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://HOST:PORT/metrics``; empty where there is no metrics endpoint."""
+        return f"http://{_host_port(self.config.host, self.metrics_port)}/metrics" if self.metrics else ""
+
+    def metrics_text(self) -> str:
+        """The ``Stats`` counters in Prometheus's text format, as ``GET /metrics`` gives them."""
+        info = {
+            "version": self.servicer.server_version,
+            "env": self.servicer.env_name,
+            "backend": self.backend.name,
+        }
+        return exposition(self.servicer.stats(), learner=self.store is not None, info=info)
 
     async def start(self) -> int:
         """Bind, start serving, return the bound port.
@@ -289,10 +317,23 @@ class EdgeServer:
                     raise BindError(
                         f"could not bind the local Act socket {self.local.path}: {exc.strerror or exc}"
                     ) from exc
+            if self.metrics is not None and cfg.metrics_port is not None:
+                try:
+                    await self.metrics.start(cfg.host, cfg.metrics_port)
+                except OSError as exc:
+                    why = {
+                        errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
+                        errno.EADDRNOTAVAIL: f"{cfg.host} is not an address of this machine (--host)",
+                    }.get(exc.errno or 0, str(exc.strerror or exc))
+                    raise BindError(
+                        f"could not bind the metrics port {_host_port(cfg.host, cfg.metrics_port)}: {why}"
+                    ) from exc
             self.port = self._bind(server)
-        except BaseException:  # nothing is served: release the socket and the inference threads
+        except BaseException:  # nothing is served: release the sockets and the inference threads
             if self.local is not None:
                 await self.local.close()
+            if self.metrics is not None:
+                await self.metrics.close()
             await self.batcher.close()
             raise
         await server.start()
@@ -340,6 +381,8 @@ class EdgeServer:
         await server.stop(grace)
         if self.local is not None:
             await self.local.close()
+        if self.metrics is not None:
+            await self.metrics.close()
         log.info("edge server on %s stopped", self.address)
 
     async def wait_for_termination(self) -> None:

@@ -363,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a line on what the server did this often (streams, rows/s, batch size, queue "
         "wait, inference time, policy version, refusals); idle spells print nothing (0: never)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=PORT,
+        default=None,
+        metavar="PORT",
+        help="also answer GET /metrics on this port of --host: the server's counters (those of the "
+        "Stats RPC) in Prometheus's text format, plain HTTP; 0: a free one (default: off)",
+    )
     p.add_argument("--tls-cert", default="", help="PEM certificate chain of the server (enables TLS)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
@@ -791,7 +799,8 @@ def _serve(a: argparse.Namespace) -> int:
     server = build_server(policy, cfg)
 
     def say_ready(_: asyncio.Future[int]) -> None:
-        print(f"edgerl: serving {a.env} on {server.address}\nedgerl: {weights}", flush=True)
+        metrics = f"\nedgerl: metrics on {server.metrics_url}" if server.metrics else ""
+        print(f"edgerl: serving {a.env} on {server.address}\nedgerl: {weights}{metrics}", flush=True)
 
     async def main() -> None:
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -1,0 +1,316 @@
+"""The edge server's counters for Prometheus: ``GET /metrics`` over HTTP.
+
+With ``ServerConfig.metrics_port`` (``edgerl serve --metrics-port PORT``) the
+server also answers ``GET /metrics`` on that port of its host, in
+Prometheus's text format (version 0.0.4), for Prometheus, Grafana Agent,
+the OpenTelemetry collector or ``curl`` to scrape. The values are those of
+the ``Stats`` RPC (:meth:`EdgePolicyServicer.stats`), read when a scrape
+comes, on the server's event loop: the step path does no work for them, and
+the two cannot disagree. Each field of ``StatsResponse`` is one sample
+(:data:`FAMILIES`; a test fails where a field has none): counters end in
+``_total``, times are in seconds, and the percentiles of the recent window
+(the last 8,192 requests or batches) are gauges labelled ``quantile``. The
+learner's counters appear only where the server serves the Learner service.
+``edgerl_server_info`` carries the server's version, env and backend as
+labels.
+
+The endpoint is plain HTTP on the gRPC port's host (loopback by default),
+without TLS or tokens: counters only, no observations or weights. One
+connection is one request (``Connection: close``); a request line and
+headers over 8 KB get 431, a method other than GET or HEAD 405, a path other
+than ``/metrics`` 404, each naming what to send instead, and the server
+serves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from edgerl.proto.v1 import edge_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""Prometheus's text exposition format."""
+MAX_HEAD_BYTES = 8192
+"""Largest request line and headers read; beyond it the request gets 431."""
+READ_TIMEOUT_S = 10.0
+"""How long a connection may take to send its request line and headers (seconds)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family and the ``StatsResponse`` fields it is made of."""
+
+    name: str
+    kind: str
+    """``counter`` or ``gauge``."""
+    help: str
+    samples: tuple[tuple[str, str], ...]
+    """Each sample's ``StatsResponse`` field and its ``quantile`` label ("" for none)."""
+    scale: float = 1.0
+    """What a field's value is multiplied by (1e-6: microseconds to seconds)."""
+    learner: bool = False
+    """Only where the server serves the Learner service."""
+
+
+def _one(name: str, kind: str, help: str, field: str, *, learner: bool = False, scale: float = 1.0) -> Family:
+    return Family(name, kind, help, ((field, ""),), scale, learner)
+
+
+_US = 1e-6
+
+FAMILIES: tuple[Family, ...] = (
+    _one(
+        "edgerl_requests_total",
+        "counter",
+        "Step requests answered (stream messages and unary calls).",
+        "requests",
+    ),
+    _one("edgerl_batches_total", "counter", "Forward passes run.", "batches"),
+    _one("edgerl_rows_total", "counter", "Observation rows served.", "rows"),
+    _one("edgerl_max_batch_rows", "gauge", "Largest batch so far (rows).", "max_batch_rows"),
+    _one(
+        "edgerl_rejected_queue_full_total",
+        "counter",
+        "Requests refused with RESOURCE_EXHAUSTED because the queue was full.",
+        "rejected_queue_full",
+    ),
+    _one(
+        "edgerl_rejected_invalid_total",
+        "counter",
+        "Requests or streams refused as invalid.",
+        "rejected_invalid",
+    ),
+    _one(
+        "edgerl_rejected_streams_total",
+        "counter",
+        "Streams refused because max_streams streams were open, or had sent no message yet.",
+        "rejected_streams",
+    ),
+    _one(
+        "edgerl_failed_requests_total",
+        "counter",
+        "Step requests answered with INTERNAL: the forward pass raised, or gave NaN or Inf for them.",
+        "failed_requests",
+    ),
+    _one("edgerl_active_streams", "gauge", "Act streams now open.", "active_streams"),
+    _one(
+        "edgerl_streams_awaiting_hello",
+        "gauge",
+        "Act streams open that have not sent their first message yet.",
+        "streams_awaiting_hello",
+    ),
+    Family(
+        "edgerl_queue_wait_seconds",
+        "gauge",
+        "Queue wait of the last 8192 requests, by quantile.",
+        (("queue_wait_us_p50", "0.5"), ("queue_wait_us_p99", "0.99")),
+        _US,
+    ),
+    Family(
+        "edgerl_inference_seconds",
+        "gauge",
+        "Forward time of the last 8192 batches, by quantile.",
+        (("inference_us_p50", "0.5"), ("inference_us_p99", "0.99")),
+        _US,
+    ),
+    _one("edgerl_policy_version", "gauge", "Version of the weights now served.", "policy_version"),
+    _one(
+        "edgerl_transitions_total",
+        "counter",
+        "Transitions completed (env steps with their reward known).",
+        "transitions",
+        learner=True,
+    ),
+    _one(
+        "edgerl_segments_acked_total",
+        "counter",
+        "Segments handed to the trainer and acknowledged by it.",
+        "segments_acked",
+        learner=True,
+    ),
+    _one(
+        "edgerl_transitions_pending",
+        "gauge",
+        "Env steps not yet acknowledged by the trainer (queued or in flight).",
+        "transitions_pending",
+        learner=True,
+    ),
+    _one(
+        "edgerl_transitions_dropped_overflow_total",
+        "counter",
+        "Transitions dropped because the outgoing buffer was full (overflow drop).",
+        "transitions_dropped_overflow",
+        learner=True,
+    ),
+    _one(
+        "edgerl_transitions_dropped_disconnect_total",
+        "counter",
+        "Half-built transitions dropped because their stream ended before the reward arrived.",
+        "transitions_dropped_disconnect",
+        learner=True,
+    ),
+    _one(
+        "edgerl_backpressure_wait_seconds_total",
+        "counter",
+        "Time step requests waited for room in the outgoing buffer.",
+        "backpressure_wait_us",
+        learner=True,
+        scale=_US,
+    ),
+    _one(
+        "edgerl_weight_publishes_total",
+        "counter",
+        "Weight publishes applied.",
+        "weight_publishes",
+        learner=True,
+    ),
+    _one(
+        "edgerl_sessions_forgotten_total",
+        "counter",
+        "Closed sessions whose env counters were let go.",
+        "sessions_forgotten",
+        learner=True,
+    ),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def exposition(stats: pb.StatsResponse, *, learner: bool, info: dict[str, str]) -> str:
+    """``stats`` in Prometheus's text format, with ``edgerl_server_info`` labelled by ``info``;
+    the learner's families only with ``learner``."""
+    labels = ",".join(f'{k}="{_label(v)}"' for k, v in info.items())
+    lines = [
+        "# HELP edgerl_server_info The edge server: its version, env and backend.",
+        "# TYPE edgerl_server_info gauge",
+        f"edgerl_server_info{{{labels}}} 1",
+    ]
+    for fam in FAMILIES:
+        if fam.learner and not learner:
+            continue
+        lines += [f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} {fam.kind}"]
+        for field, quantile in fam.samples:
+            value = getattr(stats, field)
+            shown = repr(value * fam.scale) if fam.scale != 1.0 else str(value)
+            lines.append(
+                f'{fam.name}{{quantile="{quantile}"}} {shown}' if quantile else f"{fam.name} {shown}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+}
+
+
+class MetricsServer:
+    """``GET /metrics`` over HTTP on the event loop it is started on; ``render`` makes the body."""
+
+    def __init__(self, render: Callable[[], str]) -> None:
+        self.render = render
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind ``host:port`` (0: a free port, on the first address ``host`` resolves to) and start
+        answering; returns the port.
+
+        Raises:
+            OSError: the port is in use, or ``host`` is not an address of this machine.
+        """
+        host = host.strip("[]")  # an IPv6 host as gRPC takes it
+        if port == 0:  # one socket, or each address of a name would get a port of its own
+            host = str(socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4][0])
+        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEAD_BYTES)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stop accepting, end the connections being answered, and release the port."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            reply = await self._answer(reader)
+            if reply is not None:
+                data = reply.body.encode()
+                head = f"HTTP/1.1 {reply.status} {_REASONS[reply.status]}\r\n" + "".join(
+                    f"{k}: {v}\r\n" for k, v in reply.headers
+                )
+                head += f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+                writer.write(head.encode() + (b"" if reply.head_only else data))
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader) -> _Reply | None:
+        """The reply to the request on ``reader``; None: send nothing (the client went away, or
+        took longer than ``READ_TIMEOUT_S``)."""
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+        except asyncio.LimitOverrunError:
+            return _text(431, f"request line and headers over {MAX_HEAD_BYTES} bytes")
+        except (asyncio.IncompleteReadError, TimeoutError):
+            return None
+        return self._route(head.split(b"\r\n", 1)[0].decode("latin-1"))
+
+    def _route(self, request_line: str) -> _Reply:
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _text(400, "request line: expected 'GET /metrics HTTP/1.1'")
+        method, target = parts[0], parts[1].split("?", 1)[0]
+        head_only = method == "HEAD"
+        if method not in ("GET", "HEAD"):
+            return _text(405, f"method {method}: only GET and HEAD", allow="GET, HEAD")
+        if target != "/metrics":
+            return _text(404, f"no {target} here: the metrics are at /metrics", head_only)
+        try:
+            body = self.render()
+        except Exception as exc:  # a fault of the server's own: this scrape fails, the server serves on
+            log.exception("metrics: rendering failed")
+            return _text(500, f"rendering the metrics failed: {type(exc).__name__}: {exc}", head_only)
+        return _Reply(200, [("Content-Type", CONTENT_TYPE)], body, head_only)
+
+
+class _Reply(NamedTuple):
+    status: int
+    headers: list[tuple[str, str]]
+    body: str
+    head_only: bool
+    """HEAD: the status and headers alone."""
+
+
+def _text(status: int, message: str, head_only: bool = False, allow: str = "") -> _Reply:
+    headers = [("Content-Type", "text/plain; charset=utf-8")] + ([("Allow", allow)] if allow else [])
+    return _Reply(status, headers, message + "\n", head_only)

@@ -1,0 +1,270 @@
+"""The edge server's Prometheus endpoint: ``GET /metrics`` beside gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from edgerl.edge_server import metrics
+from edgerl.edge_server.policy import TorchPolicyBackend
+from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
+from edgerl.models import build_policy
+from edgerl.proto.v1 import edge_pb2 as pb
+from edgerl.robot_client.client import EdgeClient
+from edgerl.sim.envs import env_spec
+from tests.helpers import EchoPolicy, act_once, free_port, run, running_server, serving
+
+STATS_FIELDS = [f.name for f in pb.StatsResponse.DESCRIPTOR.fields]
+HALF_CHEETAH = env_spec("HalfCheetah-v5")
+
+
+def samples(text: str) -> dict[tuple[str, str], float]:
+    """Each sample of an exposition, parsed by Prometheus's own client: (name, quantile) -> value."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert isinstance(s, Sample)
+            out[s.name, s.labels.get("quantile", "")] = s.value
+    return out
+
+
+def families(text: str) -> dict[str, str]:
+    """Each family of an exposition and its type, as Prometheus's client parses them."""
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def test_every_stats_field_is_one_sample_of_one_family() -> None:
+    taken = [field for fam in metrics.FAMILIES for field, _ in fam.samples]
+    assert sorted(taken) == sorted(STATS_FIELDS)  # each field once: a new Stats field needs a family
+    names = [fam.name for fam in metrics.FAMILIES]
+    assert len(set(names)) == len(names)
+    for fam in metrics.FAMILIES:
+        assert fam.kind in ("counter", "gauge")
+        assert fam.name.endswith("_total") == (fam.kind == "counter"), fam.name
+        assert "_us" not in fam.name and fam.name.startswith("edgerl_")  # seconds, as Prometheus has it
+        assert (fam.scale == 1e-6) == any(
+            field.endswith("_us") or "_us_" in field for field, _ in fam.samples
+        )
+
+
+def test_the_exposition_carries_each_stats_value_as_prometheus_parses_it() -> None:
+    stats = pb.StatsResponse(**{name: 1000 * (i + 1) + 7 for i, name in enumerate(STATS_FIELDS)})
+    info = {"version": "1.2.3", "env": 'odd "env"\\ with\nnewline', "backend": "mlp"}
+    text = metrics.exposition(stats, learner=True, info=info)
+    got = samples(text)
+    for fam in metrics.FAMILIES:
+        for field, quantile in fam.samples:
+            assert got[fam.name, quantile] == pytest.approx(getattr(stats, field) * fam.scale), fam.name
+    assert got["edgerl_queue_wait_seconds", "0.99"] == pytest.approx(stats.queue_wait_us_p99 / 1e6)
+    assert got["edgerl_backpressure_wait_seconds_total", ""] == pytest.approx(
+        stats.backpressure_wait_us / 1e6
+    )
+    (info_family,) = [f for f in text_string_to_metric_families(text) if f.name == "edgerl_server_info"]
+    assert info_family.samples[0].labels == info  # quotes, backslashes and newlines come back as sent
+    assert families(text)["edgerl_rows"] == "counter"  # the parser strips _total from a counter's family
+    assert families(text)["edgerl_active_streams"] == "gauge"
+
+    served_alone = samples(metrics.exposition(stats, learner=False, info=info))
+    learner_names = {fam.name for fam in metrics.FAMILIES if fam.learner}
+    assert learner_names and not learner_names & {name for name, _ in served_alone}
+    assert ("edgerl_rows_total", "") in served_alone
+
+
+def scrape(url: str, method: str = "GET") -> tuple[int, dict[str, str], str]:
+    """Status, headers and body of one HTTP request."""
+    request = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read().decode()
+
+
+async def scraped(url: str, method: str = "GET") -> tuple[int, dict[str, str], str]:
+    return await asyncio.get_running_loop().run_in_executor(None, scrape, url, method)
+
+
+async def raw(port: int, data: bytes, *, read: bool = True) -> bytes:
+    """What the metrics port answers to ``data`` sent as is, read to its end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10) if read else b""
+    writer.close()
+    await writer.wait_closed()
+    return answer
+
+
+def test_a_real_server_serves_its_stats_counters_on_get_metrics() -> None:
+    spec = HALF_CHEETAH
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=1)
+    backend = TorchPolicyBackend(net, spec.act_low, spec.act_high)
+
+    async def main() -> None:
+        async with running_server(backend, env_name="HalfCheetah-v5", metrics_port=0) as server:
+            assert server.metrics_port > 0 and server.metrics_port != server.port
+            assert server.metrics_url == f"http://127.0.0.1:{server.metrics_port}/metrics"
+            await act_once(server.address, np.zeros((3, 17), np.float32))
+            await act_once(server.address, np.ones((5, 17), np.float32), session_id="other")
+            status, headers, body = await scraped(server.metrics_url)
+            assert status == 200
+            assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+            got = samples(body)
+            assert got["edgerl_requests_total", ""] == 2
+            assert got["edgerl_rows_total", ""] == 8
+            assert got["edgerl_active_streams", ""] == 0
+            assert got["edgerl_inference_seconds", "0.5"] > 0
+            assert ("edgerl_transitions_total", "") not in got  # no learner here
+            (info,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_server_info"]
+            assert info.samples[0].labels == {
+                "version": package_version(),
+                "env": "HalfCheetah-v5",
+                "backend": backend.name,
+            }
+            async with EdgeClient(server.address) as client:  # a stream open while it is scraped
+                await client.open_stream(session_id="open", num_envs=2, obs_shape=(17,))
+                assert samples((await scraped(server.metrics_url))[2])["edgerl_active_streams", ""] == 1
+            head = await scraped(server.metrics_url, "HEAD")
+            assert head[0] == 200 and head[2] == "" and int(head[1]["Content-Length"]) > 1000
+
+    run(main())
+
+
+def test_bad_requests_get_their_status_and_the_server_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 0.3)
+    obs = np.zeros((2, 4), np.float32)
+
+    async def main() -> None:
+        async with running_server(EchoPolicy(obs_dim=4, act_dim=2), metrics_port=0) as server:
+            base = server.metrics_url.removesuffix("/metrics")
+            status, _, body = await scraped(base + "/")
+            assert (status, body) == (404, "no / here: the metrics are at /metrics\n")
+            status, headers, body = await scraped(server.metrics_url, "POST")
+            assert (status, headers["Allow"], body) == (405, "GET, HEAD", "method POST: only GET and HEAD\n")
+            port = server.metrics_port
+            answer = await raw(port, b"nonsense\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+            assert answer.endswith(b"expected 'GET /metrics HTTP/1.1'\n")
+            big = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * metrics.MAX_HEAD_BYTES + b"\r\n\r\n"
+            answer = await raw(port, big)
+            assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+            assert answer.endswith(b"request line and headers over 8192 bytes\n")
+            start = time.monotonic()  # a client that connects and sends nothing is let go
+            assert await raw(port, b"GET /metrics HTTP/1.1\r\n") == b""
+            assert 0.25 < time.monotonic() - start < 5
+            await raw(port, b"GET /met", read=False)  # one that goes away mid-request
+            await act_once(server.address, obs)  # gRPC is served meanwhile ...
+            got = samples((await scraped(server.metrics_url))[2])  # ... and so is the next scrape
+            assert got["edgerl_requests_total", ""] == 1
+
+    run(main())
+
+
+def test_a_scrape_that_fails_is_a_500_naming_why_and_the_next_is_served(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        async with running_server(EchoPolicy(obs_dim=4, act_dim=2), metrics_port=0) as server:
+            stats = server.servicer.stats
+            calls = iter([RuntimeError("a counter broke")])
+
+            def failing_once() -> pb.StatsResponse:
+                fault = next(calls, None)
+                if fault is not None:
+                    raise fault
+                return stats()
+
+            monkeypatch.setattr(server.servicer, "stats", failing_once)
+            with caplog.at_level(logging.ERROR, logger="edgerl.edge_server.metrics"):
+                status, _, body = await scraped(server.metrics_url)
+            assert (status, body) == (500, "rendering the metrics failed: RuntimeError: a counter broke\n")
+            assert "metrics: rendering failed" in caplog.text and "a counter broke" in caplog.text
+            assert (await scraped(server.metrics_url))[0] == 200
+
+    run(main())
+
+
+def test_a_taken_metrics_port_is_a_bind_error_and_nothing_is_held() -> None:
+    async def main() -> None:
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        grpc_port = free_port()
+        config = ServerConfig(port=grpc_port, metrics_port=taken.getsockname()[1])
+        server = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), config)
+        with pytest.raises(
+            BindError,
+            match=r"could not bind the metrics port 127\.0\.0\.1:\d+: the port is in use \(--metrics-port 0",
+        ):
+            await server.start()
+        taken.close()
+        assert server.batcher.closing  # its inference thread stopped
+        again = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), ServerConfig(port=grpc_port))
+        assert await again.start() == grpc_port  # the gRPC port was never bound
+        assert again.metrics is None and again.metrics_url == "" and again.metrics_port == 0
+        await again.stop(grace_s=0)
+
+        # the metrics port bound, the gRPC port taken: the metrics port is let go too
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = ServerConfig(port=taken.getsockname()[1], metrics_port=0)
+        server = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), config)
+        with pytest.raises(BindError, match=r"could not bind 127\.0\.0\.1:\d+: the port is in use"):
+            await server.start()
+        taken.close()
+        assert server.metrics_port > 0
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", server.metrics_port)
+
+    run(main())
+
+
+def test_stopping_the_server_closes_the_metrics_port_with_a_connection_open() -> None:
+    async def main() -> None:
+        server = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), ServerConfig(port=0, metrics_port=0))
+        await server.start()
+        port = server.metrics_port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\n")  # and not the rest: its handler waits
+        await writer.drain()
+        start = time.monotonic()
+        await server.stop(grace_s=0.5)
+        assert time.monotonic() - start < metrics.READ_TIMEOUT_S / 2
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # its connection ended, unanswered
+        writer.close()
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+
+    run(main())
+
+
+def test_the_metrics_port_is_checked_with_the_config() -> None:
+    with pytest.raises(ValueError, match=r"metrics_port must be in \[0, 65535\], got 70000"):
+        ServerConfig(metrics_port=70000)
+    assert ServerConfig().metrics_port is None  # off by default
+
+
+def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
+    with serving("--metrics-port", "0") as (proc, first):
+        assert proc.stdout is not None
+        assert first.startswith("edgerl: serving HalfCheetah-v5 on 127.0.0.1:")
+        proc.stdout.readline()  # the policy line
+        line = proc.stdout.readline().strip()
+        assert line.startswith("edgerl: metrics on http://127.0.0.1:") and line.endswith("/metrics")
+        url = line.split()[-1]
+        asyncio.run(act_once(first.split()[-1], np.zeros((4, 17), np.float32)))
+        status, _, body = scrape(url)
+        assert status == 200
+        got = samples(body)
+        assert (got["edgerl_requests_total", ""], got["edgerl_rows_total", ""]) == (1, 4)
+        assert got["edgerl_policy_version", ""] == 0
