@@ -21,7 +21,7 @@ from edgerl.edge_server.batcher import (
     QueueFullError,
     StreamSlots,
     TooManyInflightError,
-    percentile,
+    percentiles,
 )
 from edgerl.edge_server.parsing import Unparsed
 from edgerl.edge_server.transitions import EnvBusyError, SessionTakenOverError, StreamHandle, TransitionStore
@@ -621,6 +621,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
     def stats(self) -> pb.StatsResponse:
         """The counters since start and the recent percentiles, as the ``Stats`` RPC gives them."""
         st = self.batcher.stats
+        queue_wait = percentiles(st.queue_wait_us, 50, 99)
+        inference = percentiles(st.inference_us, 50, 99)
         return pb.StatsResponse(
             requests=st.requests,
             batches=st.batches,
@@ -632,10 +634,10 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             failed_requests=st.failed_requests,
             active_streams=self.active_streams,
             streams_awaiting_hello=self.streams_awaiting_hello,
-            queue_wait_us_p50=percentile(st.queue_wait_us, 50),
-            queue_wait_us_p99=percentile(st.queue_wait_us, 99),
-            inference_us_p50=percentile(st.inference_us, 50),
-            inference_us_p99=percentile(st.inference_us, 99),
+            queue_wait_us_p50=queue_wait[0],
+            queue_wait_us_p99=queue_wait[1],
+            inference_us_p50=inference[0],
+            inference_us_p99=inference[1],
             policy_version=self.backend.version,
             **self._transition_stats(),
         )

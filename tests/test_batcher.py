@@ -1,6 +1,7 @@
 """The dynamic batcher on its own, with real asyncio and a real inference thread."""
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from edgerl.edge_server.batcher import (
     DynamicBatcher,
     NonFiniteOutputError,
     QueueFullError,
+    percentiles,
 )
 from tests.helpers import EchoPolicy, run
 
@@ -319,3 +321,11 @@ def test_a_batcher_built_directly_refuses_bad_limits_naming_them(
     with pytest.raises(ValueError) as err:
         DynamicBatcher(EchoPolicy(4, 2), **limits)
     assert str(err.value) == message
+
+
+def test_percentiles_read_a_window_once_for_every_quantile() -> None:
+    window = collections.deque(range(1, 101), maxlen=100)
+    assert percentiles(window, 50, 99) == [50, 99]  # 50.5 and 99.01, interpolated, then truncated
+    assert percentiles(window, 0, 100) == [1, 100]
+    assert percentiles(collections.deque(), 50, 99) == [0, 0]
+    assert percentiles([7], 50) == [7]
