@@ -158,6 +158,10 @@ class BatcherStats:
     failed_requests: int = 0
     """Requests failed by their batch's forward pass: it raised, or gave NaN or Inf for their
     rows."""
+    queue_wait_us_sum: int = 0
+    """Queue wait of every request counted in ``requests``, summed."""
+    inference_us_sum: int = 0
+    """Forward time of every batch counted in ``batches``, summed."""
     queue_wait_us: collections.deque[int] = field(default_factory=_window)
     inference_us: collections.deque[int] = field(default_factory=_window)
     batch_rows: collections.deque[int] = field(default_factory=_window)
@@ -509,6 +513,7 @@ class DynamicBatcher:
         st.requests += len(batch)
         st.max_batch_rows = max(st.max_batch_rows, rows)
         st.inference_us.append(inference_us)
+        st.inference_us_sum += inference_us
         st.batch_rows.append(rows)
         actions, log_probs, values = result.actions, result.log_probs, result.values
         offset = 0
@@ -516,6 +521,7 @@ class DynamicBatcher:
             n = req.obs.shape[0]
             wait_us = (now_ns - req.enqueued_ns) // 1000
             st.queue_wait_us.append(wait_us)
+            st.queue_wait_us_sum += wait_us
             self._finish(req)
             if not req.future.done():
                 bad = 0 if non_finite is None else int(non_finite[offset : offset + n].sum())

@@ -6,11 +6,14 @@ Prometheus's text format (version 0.0.4), for Prometheus, Grafana Agent,
 the OpenTelemetry collector or ``curl`` to scrape. The values are those of
 the ``Stats`` RPC (:meth:`EdgePolicyServicer.stats`), read when a scrape
 comes, on the server's event loop: the step path does no work for them, and
-the two cannot disagree. Each field of ``StatsResponse`` is one sample
-(:data:`FAMILIES`; a test fails where a field has none): counters end in
-``_total``, times are in seconds, and the percentiles of the recent window
-(the last 8,192 requests or batches) are gauges labelled ``quantile``. The
-learner's counters appear only where the server serves the Learner service.
+the two cannot disagree. Each field of ``StatsResponse`` is a sample of a
+family (:data:`FAMILIES`; a test fails where a field has none): counters
+end in ``_total``, times are in seconds, and the queue wait and forward time
+are summaries: the percentiles of the recent window (the last 8,192 requests
+or batches) labelled ``quantile``, with the ``_sum`` and ``_count`` of all
+since start, whose rates give the mean over any interval and add up across
+servers. The learner's counters appear only where the server serves the
+Learner service.
 ``edgerl_server_info`` carries the server's version, env and backend as
 labels.
 
@@ -44,27 +47,48 @@ READ_TIMEOUT_S = 10.0
 """How long a connection may take to send its request line and headers (seconds)."""
 
 
+class Sample(NamedTuple):
+    """One line of a family: a ``StatsResponse`` field's value under the family's name."""
+
+    field: str
+    suffix: str = ""
+    """After the family's name: ``_sum`` or ``_count`` of a summary, else nothing."""
+    quantile: str = ""
+    """The ``quantile`` label of a summary's percentile; "" for none."""
+
+    @property
+    def scale(self) -> float:
+        """What the field's value is multiplied by: microseconds become seconds."""
+        return 1e-6 if "_us_" in self.field or self.field.endswith("_us") else 1.0
+
+
 @dataclass(frozen=True)
 class Family:
     """One metric family and the ``StatsResponse`` fields it is made of."""
 
     name: str
     kind: str
-    """``counter`` or ``gauge``."""
+    """``counter``, ``gauge`` or ``summary``."""
     help: str
-    samples: tuple[tuple[str, str], ...]
-    """Each sample's ``StatsResponse`` field and its ``quantile`` label ("" for none)."""
-    scale: float = 1.0
-    """What a field's value is multiplied by (1e-6: microseconds to seconds)."""
+    samples: tuple[Sample, ...]
     learner: bool = False
     """Only where the server serves the Learner service."""
 
 
-def _one(name: str, kind: str, help: str, field: str, *, learner: bool = False, scale: float = 1.0) -> Family:
-    return Family(name, kind, help, ((field, ""),), scale, learner)
+def _one(name: str, kind: str, help: str, field: str, *, learner: bool = False) -> Family:
+    return Family(name, kind, help, (Sample(field),), learner)
 
 
-_US = 1e-6
+def _summary(name: str, help: str, times: str, count: str) -> Family:
+    """A summary of the ``times`` fields (``_p50``, ``_p99``, ``_sum``, in us) over ``count``."""
+    samples = (
+        Sample(f"{times}_p50", quantile="0.5"),
+        Sample(f"{times}_p99", quantile="0.99"),
+        Sample(f"{times}_sum", "_sum"),
+        Sample(count, "_count"),
+    )
+    return Family(name, "summary", help, samples)
+
 
 FAMILIES: tuple[Family, ...] = (
     _one(
@@ -107,19 +131,17 @@ FAMILIES: tuple[Family, ...] = (
         "Act streams open that have not sent their first message yet.",
         "streams_awaiting_hello",
     ),
-    Family(
+    _summary(
         "edgerl_queue_wait_seconds",
-        "gauge",
-        "Queue wait of the last 8192 requests, by quantile.",
-        (("queue_wait_us_p50", "0.5"), ("queue_wait_us_p99", "0.99")),
-        _US,
+        "Queue wait of the requests answered: quantiles of the last 8192, sum and count of all.",
+        "queue_wait_us",
+        "requests",
     ),
-    Family(
+    _summary(
         "edgerl_inference_seconds",
-        "gauge",
-        "Forward time of the last 8192 batches, by quantile.",
-        (("inference_us_p50", "0.5"), ("inference_us_p99", "0.99")),
-        _US,
+        "Forward time of the batches run: quantiles of the last 8192, sum and count of all.",
+        "inference_us",
+        "batches",
     ),
     _one("edgerl_policy_version", "gauge", "Version of the weights now served.", "policy_version"),
     _one(
@@ -163,7 +185,6 @@ FAMILIES: tuple[Family, ...] = (
         "Time step requests waited for room in the outgoing buffer.",
         "backpressure_wait_us",
         learner=True,
-        scale=_US,
     ),
     _one(
         "edgerl_weight_publishes_total",
@@ -199,12 +220,11 @@ def exposition(stats: pb.StatsResponse, *, learner: bool, info: dict[str, str]) 
         if fam.learner and not learner:
             continue
         lines += [f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} {fam.kind}"]
-        for field, quantile in fam.samples:
-            value = getattr(stats, field)
-            shown = repr(value * fam.scale) if fam.scale != 1.0 else str(value)
-            lines.append(
-                f'{fam.name}{{quantile="{quantile}"}} {shown}' if quantile else f"{fam.name} {shown}"
-            )
+        for sample in fam.samples:
+            value = getattr(stats, sample.field)
+            shown = repr(value * sample.scale) if sample.scale != 1.0 else str(value)
+            label = f'{{quantile="{sample.quantile}"}}' if sample.quantile else ""
+            lines.append(f"{fam.name}{sample.suffix}{label} {shown}")
     return "\n".join(lines) + "\n"
 
 

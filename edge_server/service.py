@@ -638,6 +638,8 @@ class EdgePolicyServicer(pb_grpc.EdgePolicyServicer):
             queue_wait_us_p99=queue_wait[1],
             inference_us_p50=inference[0],
             inference_us_p99=inference[1],
+            queue_wait_us_sum=st.queue_wait_us_sum,
+            inference_us_sum=st.inference_us_sum,
             policy_version=self.backend.version,
             **self._transition_stats(),
         )

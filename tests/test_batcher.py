@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from edgerl.edge_server import batcher as batcher_module
 from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.batcher import (
     BatcherClosedError,
@@ -329,3 +330,23 @@ def test_percentiles_read_a_window_once_for_every_quantile() -> None:
     assert percentiles(window, 0, 100) == [1, 100]
     assert percentiles(collections.deque(), 50, 99) == [0, 0]
     assert percentiles([7], 50) == [7]
+
+
+def test_the_sums_of_queue_wait_and_forward_time_count_past_the_percentile_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(batcher_module, "STATS_WINDOW", 4)
+
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2), max_batch_size=64, max_delay_us=2_000, max_queue_rows=256)
+        b.start()
+        stream, _idle = b.open_stream(2), b.open_stream(1)  # the idle one: each request waits the delay
+        results = [await b.submit(_obs(1, float(i)), stream) for i in range(10)]
+        await b.close()
+        st = b.stats
+        assert (st.requests, st.batches, len(st.queue_wait_us), len(st.inference_us)) == (10, 10, 4, 4)
+        assert st.queue_wait_us_sum == sum(r.queue_wait_us for r in results) >= 10 * 2_000
+        assert st.inference_us_sum == sum(r.inference_us for r in results)  # a batch per request
+        assert st.queue_wait_us_sum > sum(st.queue_wait_us)  # the window keeps the last 4 alone
+
+    run(main())

@@ -42,18 +42,33 @@ def families(text: str) -> dict[str, str]:
     return {f.name: f.type for f in text_string_to_metric_families(text)}
 
 
-def test_every_stats_field_is_one_sample_of_one_family() -> None:
-    taken = [field for fam in metrics.FAMILIES for field, _ in fam.samples]
-    assert sorted(taken) == sorted(STATS_FIELDS)  # each field once: a new Stats field needs a family
+def test_every_stats_field_is_a_sample_of_a_family() -> None:
+    lines = [
+        (fam.name + sample.suffix, sample.quantile) for fam in metrics.FAMILIES for sample in fam.samples
+    ]
+    assert len(set(lines)) == len(lines)
+    taken = {sample.field for fam in metrics.FAMILIES for sample in fam.samples}
+    assert taken == set(STATS_FIELDS)  # a new Stats field needs a family
     names = [fam.name for fam in metrics.FAMILIES]
     assert len(set(names)) == len(names)
     for fam in metrics.FAMILIES:
-        assert fam.kind in ("counter", "gauge")
+        assert fam.kind in ("counter", "gauge", "summary")
         assert fam.name.endswith("_total") == (fam.kind == "counter"), fam.name
         assert "_us" not in fam.name and fam.name.startswith("edgerl_")  # seconds, as Prometheus has it
-        assert (fam.scale == 1e-6) == any(
-            field.endswith("_us") or "_us_" in field for field, _ in fam.samples
-        )
+        seconds = [s.scale == 1e-6 for s in fam.samples if s.suffix != "_count"]
+        assert all(seconds) == ("_seconds" in fam.name) == any(seconds), fam.name
+    summaries = {
+        fam.name: [s.field for s in fam.samples] for fam in metrics.FAMILIES if fam.kind == "summary"
+    }
+    assert summaries == {
+        "edgerl_queue_wait_seconds": [
+            "queue_wait_us_p50",
+            "queue_wait_us_p99",
+            "queue_wait_us_sum",
+            "requests",
+        ],
+        "edgerl_inference_seconds": ["inference_us_p50", "inference_us_p99", "inference_us_sum", "batches"],
+    }
 
 
 def test_the_exposition_carries_each_stats_value_as_prometheus_parses_it() -> None:
@@ -62,16 +77,21 @@ def test_the_exposition_carries_each_stats_value_as_prometheus_parses_it() -> No
     text = metrics.exposition(stats, learner=True, info=info)
     got = samples(text)
     for fam in metrics.FAMILIES:
-        for field, quantile in fam.samples:
-            assert got[fam.name, quantile] == pytest.approx(getattr(stats, field) * fam.scale), fam.name
+        for sample in fam.samples:
+            want = getattr(stats, sample.field) * sample.scale
+            assert got[fam.name + sample.suffix, sample.quantile] == pytest.approx(want), fam.name
     assert got["edgerl_queue_wait_seconds", "0.99"] == pytest.approx(stats.queue_wait_us_p99 / 1e6)
+    assert got["edgerl_queue_wait_seconds_sum", ""] == pytest.approx(stats.queue_wait_us_sum / 1e6)
+    assert got["edgerl_queue_wait_seconds_count", ""] == stats.requests
+    assert got["edgerl_inference_seconds_count", ""] == stats.batches
     assert got["edgerl_backpressure_wait_seconds_total", ""] == pytest.approx(
         stats.backpressure_wait_us / 1e6
     )
     (info_family,) = [f for f in text_string_to_metric_families(text) if f.name == "edgerl_server_info"]
     assert info_family.samples[0].labels == info  # quotes, backslashes and newlines come back as sent
-    assert families(text)["edgerl_rows"] == "counter"  # the parser strips _total from a counter's family
-    assert families(text)["edgerl_active_streams"] == "gauge"
+    kinds = families(text)
+    assert kinds["edgerl_rows"] == "counter"  # the parser strips _total from a counter's family
+    assert (kinds["edgerl_active_streams"], kinds["edgerl_queue_wait_seconds"]) == ("gauge", "summary")
 
     served_alone = samples(metrics.exposition(stats, learner=False, info=info))
     learner_names = {fam.name for fam in metrics.FAMILIES if fam.learner}
@@ -123,6 +143,13 @@ def test_a_real_server_serves_its_stats_counters_on_get_metrics() -> None:
             assert got["edgerl_rows_total", ""] == 8
             assert got["edgerl_active_streams", ""] == 0
             assert got["edgerl_inference_seconds", "0.5"] > 0
+            assert got["edgerl_queue_wait_seconds_count", ""] == 2  # one per request
+            assert got["edgerl_inference_seconds_count", ""] == got["edgerl_batches_total", ""]
+            # the sums count every request and batch (all of them still in the windows here)
+            st = server.batcher.stats
+            assert got["edgerl_queue_wait_seconds_sum", ""] == pytest.approx(sum(st.queue_wait_us) / 1e6)
+            assert got["edgerl_inference_seconds_sum", ""] == pytest.approx(sum(st.inference_us) / 1e6)
+            assert got["edgerl_inference_seconds_sum", ""] > 0
             assert ("edgerl_transitions_total", "") not in got  # no learner here
             (info,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_server_info"]
             assert info.samples[0].labels == {

@@ -171,7 +171,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes", "sessions_forgotten", "rejected_streams", "failed_requests", "streams_awaiting_hello")
+    __slots__ = ("requests", "batches", "rows", "max_batch_rows", "rejected_queue_full", "rejected_invalid", "active_streams", "queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99", "policy_version", "transitions", "segments_acked", "transitions_pending", "transitions_dropped_overflow", "transitions_dropped_disconnect", "backpressure_wait_us", "weight_publishes", "sessions_forgotten", "rejected_streams", "failed_requests", "streams_awaiting_hello", "queue_wait_us_sum", "inference_us_sum")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,8 @@ class StatsResponse(_message.Message):
     REJECTED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STREAMS_AWAITING_HELLO_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_US_SUM_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_US_SUM_FIELD_NUMBER: _ClassVar[int]
     requests: int
     batches: int
     rows: int
@@ -218,7 +220,9 @@ class StatsResponse(_message.Message):
     rejected_streams: int
     failed_requests: int
     streams_awaiting_hello: int
-    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ..., sessions_forgotten: _Optional[int] = ..., rejected_streams: _Optional[int] = ..., failed_requests: _Optional[int] = ..., streams_awaiting_hello: _Optional[int] = ...) -> None: ...
+    queue_wait_us_sum: int
+    inference_us_sum: int
+    def __init__(self, requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., rejected_queue_full: _Optional[int] = ..., rejected_invalid: _Optional[int] = ..., active_streams: _Optional[int] = ..., queue_wait_us_p50: _Optional[int] = ..., queue_wait_us_p99: _Optional[int] = ..., inference_us_p50: _Optional[int] = ..., inference_us_p99: _Optional[int] = ..., policy_version: _Optional[int] = ..., transitions: _Optional[int] = ..., segments_acked: _Optional[int] = ..., transitions_pending: _Optional[int] = ..., transitions_dropped_overflow: _Optional[int] = ..., transitions_dropped_disconnect: _Optional[int] = ..., backpressure_wait_us: _Optional[int] = ..., weight_publishes: _Optional[int] = ..., sessions_forgotten: _Optional[int] = ..., rejected_streams: _Optional[int] = ..., failed_requests: _Optional[int] = ..., streams_awaiting_hello: _Optional[int] = ..., queue_wait_us_sum: _Optional[int] = ..., inference_us_sum: _Optional[int] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("seq", "session_id", "env_id", "episode", "t", "obs", "actions", "log_probs", "values", "policy_versions", "rewards", "terminated", "truncated", "fallback", "autoreset", "bootstrap_obs", "joined_mid_episode")
