@@ -490,6 +490,8 @@ MODE_COUNTERS = (
     "rejected_invalid",
     "rejected_streams",
     "failed_requests",
+    "queue_wait_us_sum",
+    "inference_us_sum",
 )
 #: The server's percentiles, each with the counter of the samples it is taken over.
 MODE_PERCENTILES = {
@@ -514,6 +516,9 @@ def mode_stats(acc: dict[str, Any] | None, before: dict[str, Any], after: dict[s
     return {
         **counters,
         "mean_batch_rows": round(counters["rows"] / max(1, counters["batches"]), 1),
+        # the means need no window: over every request and batch of the mode's runs
+        "queue_wait_us_mean": round(counters["queue_wait_us_sum"] / max(1, counters["requests"]), 1),
+        "inference_us_mean": round(counters["inference_us_sum"] / max(1, counters["batches"]), 1),
         **percentiles,
         "policy_version": after["policy_version"],
     }

@@ -570,6 +570,8 @@ def server_stats(address: str, timeout_s: float = 10.0) -> dict[str, Any]:
             "queue_wait_us_p99": st.queue_wait_us_p99,
             "inference_us_p50": st.inference_us_p50,
             "inference_us_p99": st.inference_us_p99,
+            "queue_wait_us_sum": st.queue_wait_us_sum,
+            "inference_us_sum": st.inference_us_sum,
             "rejected_queue_full": st.rejected_queue_full,
             "rejected_invalid": st.rejected_invalid,
             "rejected_streams": st.rejected_streams,

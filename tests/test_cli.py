@@ -463,22 +463,37 @@ def test_bench_throughput_counts_each_modes_server_work_alone() -> None:
     from edgerl.launch.bench_throughput import mode_stats
 
     def stats(
-        requests: int, batches: int, rows: int, *, queue_full: int = 0, failed: int = 0, refused: int = 0
+        requests: int,
+        batches: int,
+        rows: int,
+        *,
+        queue_full: int = 0,
+        failed: int = 0,
+        refused: int = 0,
+        times_us: tuple[int, int] = (0, 0),
     ) -> dict[str, float]:
         totals = {"requests": requests, "batches": batches, "rows": rows, "rejected_invalid": 0}
         totals["failed_requests"], totals["rejected_streams"] = failed, refused
+        totals["queue_wait_us_sum"], totals["inference_us_sum"] = times_us
         percentiles = {"queue_wait_us_p50": 11, "queue_wait_us_p99": 99, "inference_us_p50": rows % 1000}
         extra = {"inference_us_p99": 2000, "max_batch_rows": 64, "mean_batch_rows": 1.0, "policy_version": 7}
         return {**totals, "rejected_queue_full": queue_full, **percentiles, **extra}
 
     # the server's totals since start hold an earlier mode's 100 requests of one row
-    before = stats(100, 100, 100, failed=1, refused=5)
-    first = mode_stats(None, before, stats(300, 150, 6500, queue_full=2, failed=4, refused=6))
+    # (each waiting 500 us and each a batch of 50 us); this mode's 200 waited 30 us each, and its
+    # 50 batches took 700 us each
+    before = stats(100, 100, 100, failed=1, refused=5, times_us=(50_000, 5_000))
+    after = stats(300, 150, 6500, queue_full=2, failed=4, refused=6, times_us=(56_000, 40_000))
+    first = mode_stats(None, before, after)
     assert first == {
         **{"requests": 200, "batches": 50, "rows": 6400, "rejected_queue_full": 2, "rejected_invalid": 0},
         "rejected_streams": 1,
         "failed_requests": 3,
+        "queue_wait_us_sum": 6000,
+        "inference_us_sum": 35000,
         "mean_batch_rows": 128.0,
+        "queue_wait_us_mean": 30.0,  # the mode's own, where its percentiles are not: no window
+        "inference_us_mean": 700.0,
         # the server's window holds the earlier mode's samples too: no percentile is this mode's
         **dict.fromkeys(["queue_wait_us_p50", "queue_wait_us_p99", "inference_us_p50", "inference_us_p99"]),
         "policy_version": 7,
