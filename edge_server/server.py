@@ -119,6 +119,10 @@ class ServerConfig:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.metrics_port == self.port != 0:
+            raise ValueError(
+                f"metrics_port and port are both {self.port}: the metrics need a port of their own"
+            )
         if self.max_delay_us < 0:
             raise ValueError(f"max_delay_us must be >= 0, got {self.max_delay_us}")
         if self.max_queue_rows < self.max_batch_size:

@@ -279,6 +279,11 @@ def test_the_metrics_port_is_checked_with_the_config() -> None:
     with pytest.raises(ValueError, match=r"metrics_port must be in \[0, 65535\], got 70000"):
         ServerConfig(metrics_port=70000)
     assert ServerConfig().metrics_port is None  # off by default
+    with pytest.raises(
+        ValueError, match="metrics_port and port are both 50051: the metrics need a port of their own"
+    ):
+        ServerConfig(port=50051, metrics_port=50051)
+    assert ServerConfig(port=0, metrics_port=0).metrics_port == 0  # each a free port of its own
 
 
 def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
