@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import math
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,6 +63,11 @@ class Sample(NamedTuple):
     def scale(self) -> float:
         """What the field's value is multiplied by: microseconds become seconds."""
         return 1e-6 if "_us_" in self.field or self.field.endswith("_us") else 1.0
+
+    def value_in(self, stats: pb.StatsResponse) -> float:
+        """The field's value in ``stats``, scaled (an integer where it is not)."""
+        value = getattr(stats, self.field)
+        return value * self.scale if self.scale != 1.0 else int(value)
 
 
 @dataclass(frozen=True)
@@ -207,24 +215,41 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _value(value: float) -> str:
+    if isinstance(value, bool | int):
+        return str(int(value))
+    return "NaN" if math.isnan(value) else repr(float(value))
+
+
+def family_lines(
+    name: str, kind: str, help: str, samples: Iterable[tuple[str, dict[str, str], float]]
+) -> list[str]:
+    """One family in Prometheus's text format: its HELP and TYPE, then a line for each sample of
+    (suffix after ``name``, labels, value); a value of NaN is written as Prometheus reads it."""
+    lines = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+    for suffix, labels, value in samples:
+        shown = "{" + ",".join(f'{k}="{_label(v)}"' for k, v in labels.items()) + "}" if labels else ""
+        lines.append(f"{name}{suffix}{shown} {_value(value)}")
+    return lines
+
+
 def exposition(stats: pb.StatsResponse, *, learner: bool, info: dict[str, str]) -> str:
     """``stats`` in Prometheus's text format, with ``edgerl_server_info`` labelled by ``info``;
     the learner's families only with ``learner``."""
-    labels = ",".join(f'{k}="{_label(v)}"' for k, v in info.items())
-    lines = [
-        "# HELP edgerl_server_info The edge server: its version, env and backend.",
-        "# TYPE edgerl_server_info gauge",
-        f"edgerl_server_info{{{labels}}} 1",
-    ]
+    lines = family_lines(
+        "edgerl_server_info", "gauge", "The edge server: its version, env and backend.", [("", info, 1)]
+    )
     for fam in FAMILIES:
-        if fam.learner and not learner:
-            continue
-        lines += [f"# HELP {fam.name} {fam.help}", f"# TYPE {fam.name} {fam.kind}"]
-        for sample in fam.samples:
-            value = getattr(stats, sample.field)
-            shown = repr(value * sample.scale) if sample.scale != 1.0 else str(value)
-            label = f'{{quantile="{sample.quantile}"}}' if sample.quantile else ""
-            lines.append(f"{fam.name}{sample.suffix}{label} {shown}")
+        if not fam.learner or learner:
+            lines += family_lines(
+                fam.name,
+                fam.kind,
+                fam.help,
+                [
+                    (s.suffix, {"quantile": s.quantile} if s.quantile else {}, s.value_in(stats))
+                    for s in fam.samples
+                ],
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +261,16 @@ _REASONS = {
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
 }
+
+
+def not_bound(host: str, port: int, exc: OSError, host_option: str = "--host") -> str:
+    """Why ``host:port`` could not be bound for the metrics, in words for the operator."""
+    why = {
+        errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
+        errno.EADDRNOTAVAIL: f"{host} is not an address of this machine ({host_option})",
+    }.get(exc.errno or 0, str(exc.strerror or exc))
+    shown = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return f"could not bind the metrics port {shown}: {why}"
 
 
 class MetricsServer:
@@ -321,6 +356,39 @@ class MetricsServer:
             log.exception("metrics: rendering failed")
             return _text(500, f"rendering the metrics failed: {type(exc).__name__}: {exc}", head_only)
         return _Reply(200, [("Content-Type", CONTENT_TYPE)], body, head_only)
+
+
+class MetricsThread:
+    """A :class:`MetricsServer` on an event loop of its own, in a thread: for a process whose own
+    loop is not asyncio's (``edgerl robot``). ``render`` is called on that thread."""
+
+    def __init__(self, render: Callable[[], str]) -> None:
+        self.server = MetricsServer(render)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="edgerl-metrics", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start(self, host: str, port: int) -> int:
+        """As :meth:`MetricsServer.start`; on an error the thread is stopped again."""
+        self._thread.start()
+        try:
+            return asyncio.run_coroutine_threadsafe(self.server.start(host, port), self._loop).result(30)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the port and end the thread."""
+        if self._loop.is_closed():
+            return
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.server.close(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self._loop.close()
 
 
 class _Reply(NamedTuple):

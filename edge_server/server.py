@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from edgerl.edge_server.backend import PolicyBackend, publish_limit, weights_lim
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
-from edgerl.edge_server.metrics import MetricsServer, exposition
+from edgerl.edge_server.metrics import MetricsServer, exposition, not_bound
 from edgerl.edge_server.parsing import add_servicer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
@@ -325,13 +324,7 @@ class EdgeServer:
                 try:
                     await self.metrics.start(cfg.host, cfg.metrics_port)
                 except OSError as exc:
-                    why = {
-                        errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
-                        errno.EADDRNOTAVAIL: f"{cfg.host} is not an address of this machine (--host)",
-                    }.get(exc.errno or 0, str(exc.strerror or exc))
-                    raise BindError(
-                        f"could not bind the metrics port {_host_port(cfg.host, cfg.metrics_port)}: {why}"
-                    ) from exc
+                    raise BindError(not_bound(cfg.host, cfg.metrics_port, exc)) from exc
             self.port = self._bind(server)
         except BaseException:  # nothing is served: release the sockets and the inference threads
             if self.local is not None:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from edgerl.launch.argtypes import (
     COUNT,
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
+    PORT,
     POSITIVE,
     PROBABILITY,
     add_json_option,
@@ -36,6 +37,9 @@ from edgerl.robot_client.robot import Robot, RobotKind, load_robot, robot_class
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotLink, RobotRunnerConfig, chunk_defaults
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
+
+if TYPE_CHECKING:
+    from edgerl.edge_server.metrics import MetricsThread
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
@@ -152,6 +156,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_fault_arguments(p)
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=PORT,
+        default=None,
+        metavar="PORT",
+        help="also answer GET /metrics on this port of --metrics-host: each robot's counters (ticks, "
+        "fallbacks, e-stops, latency) and the stream's, in Prometheus's text format; 0: a free one "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address the metrics bind (0.0.0.0: every interface)"
     )
     add_json_option(p, "write the final statistics as JSON")
 
@@ -278,6 +294,81 @@ def _line(stats: list[dict[str, Any]], stream: dict[str, Any], cpu: float | None
     )
 
 
+#: Each robot's counters in ``/metrics``: the key of :meth:`RobotLink.stats`, the family, its help.
+ROBOT_COUNTERS = (
+    ("ticks", "edgerl_robot_ticks_total", "Control ticks run."),
+    ("policy_ticks", "edgerl_robot_policy_ticks_total", "Ticks that applied a policy action."),
+    ("fallbacks", "edgerl_robot_fallbacks_total", "Ticks that applied a fallback action: none in time."),
+    ("estops", "edgerl_robot_estops_total", "E-stops latched."),
+    (
+        "loop_deadline_misses",
+        "edgerl_robot_loop_deadline_misses_total",
+        "Ticks the loop skipped, a period late.",
+    ),
+    ("late_actions", "edgerl_robot_late_actions_total", "Answers dropped: they came after their deadline."),
+    ("requests", "edgerl_robot_requests_total", "Observations sent to the server."),
+    ("answers", "edgerl_robot_answers_total", "Answers from the server."),
+    ("episodes", "edgerl_robot_episodes_total", "Episodes ended."),
+)
+ROBOT_GAUGES = (
+    (
+        "estopped",
+        "edgerl_robot_estopped",
+        "1 while the robot's e-stop is latched (until the operator's reset).",
+    ),
+    ("policy_version", "edgerl_robot_policy_version", "Version of the policy's last answer (-1: none yet)."),
+    ("max_consecutive_fallbacks", "edgerl_robot_max_consecutive_fallbacks", "Longest fallback streak."),
+)
+#: Each robot's recent percentiles (ms in :meth:`RobotLink.stats`): the key's stem, the family, its help.
+ROBOT_TIMES = (
+    (
+        "tick_jitter_ms",
+        "edgerl_robot_tick_jitter_seconds",
+        "How late ticks started, recent ticks by quantile.",
+    ),
+    ("action_age_ms", "edgerl_robot_action_age_seconds", "Age of the actions applied, by quantile."),
+    ("latency_ms", "edgerl_robot_latency_seconds", "Observation to answer, recent answers by quantile."),
+)
+STREAM_METRICS = (
+    ("connected", "edgerl_robot_stream_up", "gauge", "1 while the Act stream is up."),
+    (
+        "reconnects",
+        "edgerl_robot_stream_reconnects_total",
+        "counter",
+        "Streams that failed or could not open.",
+    ),
+    ("messages", "edgerl_robot_stream_messages_total", "counter", "Answers the stream took in."),
+    ("network_restarts", "edgerl_robot_network_restarts_total", "counter", "Network processes replaced."),
+)
+
+
+def robot_exposition(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str:
+    """``edgerl robot``'s ``/metrics``: each robot's counters of :meth:`RobotHost.stats`, labelled
+    ``robot`` (its name, or its index where it has none), and the stream's."""
+    from edgerl.edge_server.metrics import family_lines
+
+    names = [{"robot": s["robot"] or str(i)} for i, s in enumerate(stats)]
+    lines: list[str] = []
+    for key, name, help in ROBOT_COUNTERS:
+        lines += family_lines(
+            name, "counter", help, [("", n, s[key]) for n, s in zip(names, stats, strict=True)]
+        )
+    for key, name, help in ROBOT_GAUGES:
+        lines += family_lines(
+            name, "gauge", help, [("", n, s[key]) for n, s in zip(names, stats, strict=True)]
+        )
+    for stem, name, help in ROBOT_TIMES:
+        samples = [
+            ("", {**n, "quantile": q}, s[f"{stem}_p{p}"] / 1e3)
+            for n, s in zip(names, stats, strict=True)
+            for q, p in (("0.5", 50), ("0.99", 99))
+        ]
+        lines += family_lines(name, "gauge", help, samples)
+    for key, name, kind, help in STREAM_METRICS:
+        lines += family_lines(name, kind, help, [("", {}, stream[key])])
+    return "\n".join(lines) + "\n"
+
+
 def busy_line(cpu: float | None, robots: int, hz: float, network_process: bool) -> str | None:
     """What to tell the operator where this process used :data:`BUSY_CORES` of a core or more:
     its control loop runs behind, and its robots fall back whatever the server does."""
@@ -285,6 +376,26 @@ def busy_line(cpu: float | None, robots: int, hz: float, network_process: bool) 
         return None
     stream = "" if network_process else ", or move the stream to a process of its own: --network-process"
     return busy_text("this process", cpu, robots, hz, f"run fewer robots in each process{stream}")
+
+
+def _metrics_thread(host: RobotHost, bind: str, port: int | None) -> MetricsThread | None:
+    """``GET /metrics`` of ``host`` on ``bind:port``, on a thread of its own, started (None without
+    a port).
+
+    Raises:
+        OSError: the port is in use, or ``bind`` is not an address of this machine, saying so.
+    """
+    from edgerl.edge_server.metrics import MetricsThread, not_bound
+
+    if port is None:
+        return None
+    metrics = MetricsThread(lambda: robot_exposition(host.stats(), host.stream_stats()))
+    try:
+        metrics.start(bind, port)
+    except OSError as exc:
+        raise OSError(exc.errno, not_bound(bind, port, exc, "--metrics-host")) from exc
+    print(f"edgerl robot: metrics on http://{bind}:{metrics.port}/metrics", flush=True)
+    return metrics
 
 
 def _estopped(host: RobotHost) -> list[RobotLink]:
@@ -345,9 +456,20 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             else None
         )
         host = RobotHost(robots, cfg, on_tick=recorder.record if recorder else None)
+        try:  # before any robot runs: a port that is taken leaves them untouched
+            metrics = _metrics_thread(host, a.metrics_host, a.metrics_port)
+        except OSError as exc:
+            for robot in robots:
+                robot.close()
+            if recorder is not None:
+                recorder.close()
+            print(f"edgerl robot: {exc.strerror}", file=sys.stderr, flush=True)
+            return 1
         with contextlib.ExitStack() as stack:
             if recorder is not None:
                 stack.callback(recorder.close)
+            if metrics is not None:
+                stack.callback(metrics.close)
             host.start(stop.is_set)
             stack.callback(host.stop)
             reset.clear()  # a reset asked for before any robot ran has nothing to reset

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import math
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,11 +22,12 @@ from prometheus_client.samples import Sample
 from edgerl.edge_server import metrics
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
+from edgerl.launch.cli import main
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, act_once, free_port, run, running_server, serving
+from tests.helpers import EchoPolicy, ServerThread, act_once, free_port, run, running_server, serving
 
 STATS_FIELDS = [f.name for f in pb.StatsResponse.DESCRIPTOR.fields]
 HALF_CHEETAH = env_spec("HalfCheetah-v5")
@@ -300,3 +306,112 @@ def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
         got = samples(body)
         assert (got["edgerl_requests_total", ""], got["edgerl_rows_total", ""]) == (1, 4)
         assert got["edgerl_policy_version", ""] == 0
+
+
+def test_a_robot_host_s_counters_are_labelled_by_robot_and_parse() -> None:
+    from edgerl.launch.robot import ROBOT_COUNTERS, ROBOT_GAUGES, robot_exposition
+
+    def robot(name: str, ticks: int, latency_ms: float) -> dict[str, object]:
+        counters = {key: ticks + i for i, (key, _, _) in enumerate(ROBOT_COUNTERS)}
+        gauges = {"estopped": ticks > 100, "policy_version": 7, "max_consecutive_fallbacks": 3}
+        times = {
+            f"{stem}_p{p}": latency_ms * p for stem in ("tick_jitter_ms", "action_age_ms") for p in (50, 99)
+        }
+        return {
+            "robot": name,
+            **counters,
+            **gauges,
+            **times,
+            "latency_ms_p50": latency_ms,
+            "latency_ms_p99": 2.0,
+        }
+
+    stats = [robot("arm-left", 10, 1.5), robot("", 200, float("nan"))]  # no name: its index
+    stream = {"connected": False, "reconnects": 3, "messages": 123, "network_restarts": 1}
+    got = {}
+    for family in text_string_to_metric_families(robot_exposition(stats, stream)):
+        for s in family.samples:
+            got[s.name, s.labels.get("robot", ""), s.labels.get("quantile", "")] = s.value
+    for i, (_, name, _) in enumerate(ROBOT_COUNTERS):
+        assert (got[name, "arm-left", ""], got[name, "1", ""]) == (10 + i, 200 + i), name
+    assert [got[name, "1", ""] for _, name, _ in ROBOT_GAUGES] == [1, 7, 3]  # e-stopped: 1
+    assert got["edgerl_robot_estopped", "arm-left", ""] == 0
+    assert got["edgerl_robot_latency_seconds", "arm-left", "0.5"] == pytest.approx(0.0015)
+    assert math.isnan(got["edgerl_robot_latency_seconds", "1", "0.5"])  # no answer yet
+    assert got["edgerl_robot_tick_jitter_seconds", "arm-left", "0.99"] == pytest.approx(1.5 * 99 / 1e3)
+    assert got["edgerl_robot_stream_up", "", ""] == 0
+    assert got["edgerl_robot_stream_reconnects_total", "", ""] == 3
+    assert got["edgerl_robot_network_restarts_total", "", ""] == 1
+
+
+def _robot_backend() -> TorchPolicyBackend:
+    spec = env_spec("InvertedPendulum-v5")
+    net = build_policy("mlp-small", spec.obs_shape[0], spec.act_shape[0], seed=0)
+    return TorchPolicyBackend(net, spec.act_low, spec.act_high)
+
+
+def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port, out = free_port(), tmp_path / "robot.json"
+    url = f"http://127.0.0.1:{port}/metrics"
+    scrapes: list[dict[tuple[str, str], float]] = []
+
+    def scraper() -> None:  # the command runs on the main thread (it takes signals)
+        deadline = time.monotonic() + 60
+        while len(scrapes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            with contextlib.suppress(OSError):
+                status, _, body = scrape(url)
+                got = {
+                    (s.name, s.labels.get("robot", "")): s.value
+                    for f in text_string_to_metric_families(body)
+                    for s in f.samples
+                    if not s.labels.get("quantile")
+                }
+                if status == 200 and got[("edgerl_robot_ticks_total", "robot-1")] >= 10:
+                    scrapes.append(got)
+
+    thread = threading.Thread(target=scraper, daemon=True)
+    with ServerThread(_robot_backend()) as srv:
+        thread.start()
+        code = main(
+            ["robot", "--server", srv.address, "--robots", "2", "--hz", "50", "--seconds", "3",
+             "--robot-arg", "env=InvertedPendulum-v5", "--metrics-port", str(port), "--json", str(out)]
+        )  # fmt: skip
+    thread.join(10)
+    assert code == 0
+    assert f"edgerl robot: metrics on {url}" in capsys.readouterr().out.splitlines()
+    assert len(scrapes) == 2, "no scrape mid-run"
+    first, second = scrapes
+    final = json.loads(out.read_text())
+    for i, robot in enumerate(final["robots"]):
+        name = f"robot-{i}"
+        ticks = [first["edgerl_robot_ticks_total", name], second["edgerl_robot_ticks_total", name]]
+        assert 10 <= ticks[0] < ticks[1] <= robot["ticks"]  # live counters, as the JSON's at the end
+        assert first["edgerl_robot_estopped", name] == 0 and first["edgerl_robot_policy_version", name] == 0
+    assert first["edgerl_robot_stream_up", ""] == 1
+    with pytest.raises(OSError):  # the command ended: its port with it
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_edgerl_robot_with_a_taken_metrics_port_ends_before_a_robot_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with taken, ServerThread(_robot_backend()) as srv:
+        code = main(
+            ["robot", "--server", srv.address, "--hz", "50", "--seconds", "30",
+             "--robot-arg", "env=InvertedPendulum-v5", "--metrics-port", str(port)]
+        )  # fmt: skip
+        assert srv.server is not None and srv.server.servicer.stats().requests == 0  # never stepped
+    assert code == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines()[-1] == (
+        f"edgerl robot: could not bind the metrics port 127.0.0.1:{port}: the port is in use "
+        "(--metrics-port 0 picks a free one)"
+    )
+    assert "ticks" not in out
