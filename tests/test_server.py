@@ -769,7 +769,7 @@ UNARY_FAULTS: dict[str, tuple[str, Any, str, Callable[[], Any], Callable[[Any], 
         pb.DescribeRequest,
         lambda r: list(r.observation_space.shape) == [OBS],
     ),
-    "Stats": ("Stats", service, "percentile", pb.StatsRequest, lambda r: r.active_streams == 1),
+    "Stats": ("Stats", service, "percentiles", pb.StatsRequest, lambda r: r.active_streams == 1),
     "PublishWeights": (
         "PublishWeights",
         learner,
