@@ -277,6 +277,16 @@ def _label(link: RobotLink) -> str:
     return link.robot.name or f"robot {link.index}"
 
 
+def _line_stats(host: RobotHost) -> list[dict[str, Any]]:
+    """The robots' counters the status line reads, with the one percentile it shows: the median
+    latency. All six percentiles of 100 robots took ~90 ms on a slow machine, every 2 s, on a
+    core the control loop needs; this ~15 ms."""
+    stats = host.stats(percentiles=False)
+    for s, p50 in zip(stats, host.latencies_ms_p50(), strict=True):
+        s["latency_ms_p50"] = p50
+    return stats
+
+
 def _line(stats: list[dict[str, Any]], stream: dict[str, Any], cpu: float | None) -> str:
     ticks = sum(s["ticks"] for s in stats)
     fb = sum(s["fallbacks"] for s in stats)
@@ -491,7 +501,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
                 if host.control_error is None and (now >= min(next_line, t_end) or stop.is_set()):
                     periodic, next_line = now >= next_line, now + STATS_EVERY_S  # and one at the end
                     cpu, line_cpu = line_cpu.cores()[0], CpuMeter([os.getpid()])
-                    print(f"edgerl robot: {_line(host.stats(), host.stream_stats(), cpu)}", flush=True)
+                    print(f"edgerl robot: {_line(_line_stats(host), host.stream_stats(), cpu)}", flush=True)
                     if periodic:  # the last line's span may be a moment, its share noise
                         busy = busy_line(cpu, len(robots), a.hz, a.network_process)
                         if busy is not None and not busy_said:  # once, until it is below again

@@ -17,7 +17,7 @@ import pytest
 
 from edgerl.watchdog.clock import FakeClock, MonotonicClock
 from edgerl.watchdog.loop import WIND_DOWN_MAX_S, ControlLoop
-from edgerl.watchdog.samples import Samples
+from edgerl.watchdog.samples import Samples, percentiles
 from edgerl.watchdog.watchdog import Fallback, Tick, TickKind, Watchdog, WatchdogConfig
 from tests.helpers import wait_until
 
@@ -613,3 +613,15 @@ def test_samples_ring_keeps_the_last_window() -> None:
     assert s.percentile_ms(100) == pytest.approx(6000.0)
     s.clear()
     assert len(s) == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 37, 5000, 8192])
+def test_percentiles_from_one_partition_are_numpys(n: int) -> None:
+    values = np.random.default_rng(n).random(n)
+    qs = [0.0, 1.0, 50.0, 99.0, 99.9, 100.0]
+    np.testing.assert_allclose(percentiles(values, qs), np.percentile(values, qs), rtol=1e-12)
+    s = Samples(8192)
+    for x in values:
+        s.append(float(x))
+    np.testing.assert_allclose(s.percentiles_ms(50, 99), np.percentile(values, [50, 99]) * 1e3, rtol=1e-12)
+    assert s.percentiles_ms(50, 99)[0] == s.percentile_ms(50)

@@ -420,7 +420,9 @@ class Watchdog:
         """Counters, and the age and jitter percentiles unless ``percentiles`` is False (NaN then:
         cheap enough to call from another thread while the loop runs)."""
         c = self._counts
-        pct = (lambda s, q: s.percentile_ms(q)) if percentiles else (lambda s, q: math.nan)
+        nan = [math.nan, math.nan]
+        ages = self._ages.percentiles_ms(50, 99) if percentiles else nan
+        jitter = self._jitter.percentiles_ms(50, 99) if percentiles else nan
         return WatchdogStats(
             ticks=c["ticks"],
             policy_ticks=c["policy_ticks"],
@@ -433,10 +435,10 @@ class Watchdog:
             late_actions=c["late_actions"],
             nonfinite_actions=c["nonfinite_actions"],
             apply_errors=c["apply_errors"],
-            age_ms_p50=pct(self._ages, 50),
-            age_ms_p99=pct(self._ages, 99),
-            jitter_ms_p50=pct(self._jitter, 50),
-            jitter_ms_p99=pct(self._jitter, 99),
+            age_ms_p50=ages[0],
+            age_ms_p99=ages[1],
+            jitter_ms_p50=jitter[0],
+            jitter_ms_p99=jitter[1],
         )
 
     # -- running --------------------------------------------------------------
