@@ -269,8 +269,17 @@ def not_bound(host: str, port: int, exc: OSError, host_option: str = "--host") -
         errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
         errno.EADDRNOTAVAIL: f"{host} is not an address of this machine ({host_option})",
     }.get(exc.errno or 0, str(exc.strerror or exc))
-    shown = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    return f"could not bind the metrics port {shown}: {why}"
+    return f"could not bind the metrics port {host_port(host, port)}: {why}"
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def metrics_url(host: str, port: int) -> str:
+    """Where ``GET /metrics`` of ``host:port`` is: ``http://HOST:PORT/metrics``."""
+    return f"http://{host_port(host, port)}/metrics"
 
 
 class MetricsServer:

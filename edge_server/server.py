@@ -20,7 +20,7 @@ from edgerl.edge_server.backend import PolicyBackend, publish_limit, weights_lim
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
-from edgerl.edge_server.metrics import MetricsServer, exposition, not_bound
+from edgerl.edge_server.metrics import MetricsServer, exposition, host_port, metrics_url, not_bound
 from edgerl.edge_server.parsing import add_servicer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
@@ -153,11 +153,6 @@ def package_version() -> str:
         return "0+unknown"
 
 
-def _host_port(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 class BindError(OSError):
     """The edge server could not bind its port or its local Act socket; nothing was served."""
 
@@ -223,7 +218,7 @@ class EdgeServer:
 
     @property
     def address(self) -> str:
-        return _host_port(self.config.host, self.port)
+        return host_port(self.config.host, self.port)
 
     @property
     def metrics_port(self) -> int:
@@ -233,7 +228,7 @@ class EdgeServer:
     @property
     def metrics_url(self) -> str:
         """``http://HOST:PORT/metrics``; empty where there is no metrics endpoint."""
-        return f"http://{_host_port(self.config.host, self.metrics_port)}/metrics" if self.metrics else ""
+        return metrics_url(self.config.host, self.metrics_port) if self.metrics else ""
 
     def metrics_text(self) -> str:
         """The ``Stats`` counters in Prometheus's text format, as ``GET /metrics`` gives them."""
@@ -352,7 +347,7 @@ class EdgeServer:
             BindError: the port is taken, or the host is not an address of this machine.
         """
         cfg = self.config
-        bind = _host_port(cfg.host, cfg.port)
+        bind = host_port(cfg.host, cfg.port)
         creds = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca) if cfg.tls else None
         try:
             port = int(server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind))

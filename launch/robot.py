@@ -280,7 +280,7 @@ def _label(link: RobotLink) -> str:
 def _line_stats(host: RobotHost) -> list[dict[str, Any]]:
     """The robots' counters the status line reads, with the one percentile it shows: the median
     latency. All six percentiles of 100 robots took ~90 ms on a slow machine, every 2 s, on a
-    core the control loop needs; this ~15 ms."""
+    core the control loop needs; this ~10 ms."""
     stats = host.stats(percentiles=False)
     for s, p50 in zip(stats, host.latencies_ms_p50(), strict=True):
         s["latency_ms_p50"] = p50
@@ -395,7 +395,7 @@ def _metrics_thread(host: RobotHost, bind: str, port: int | None) -> MetricsThre
     Raises:
         OSError: the port is in use, or ``bind`` is not an address of this machine, saying so.
     """
-    from edgerl.edge_server.metrics import MetricsThread, not_bound
+    from edgerl.edge_server.metrics import MetricsThread, metrics_url, not_bound
 
     if port is None:
         return None
@@ -404,7 +404,7 @@ def _metrics_thread(host: RobotHost, bind: str, port: int | None) -> MetricsThre
         metrics.start(bind, port)
     except OSError as exc:
         raise OSError(exc.errno, not_bound(bind, port, exc, "--metrics-host")) from exc
-    print(f"edgerl robot: metrics on http://{bind}:{metrics.port}/metrics", flush=True)
+    print(f"edgerl robot: metrics on {metrics_url(bind, metrics.port)}", flush=True)
     return metrics
 
 
