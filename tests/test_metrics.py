@@ -1,4 +1,4 @@
-"""The edge server's Prometheus endpoint: ``GET /metrics`` beside gRPC."""
+"""The Prometheus endpoints: ``GET /metrics`` beside the edge server's gRPC, and in ``edgerl robot``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from prometheus_client.samples import Sample
 from edgerl.edge_server import metrics
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
-from edgerl.launch.cli import main
+from edgerl.launch.cli import main as edgerl_main
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.client import EdgeClient
@@ -375,7 +375,7 @@ def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
     thread = threading.Thread(target=scraper, daemon=True)
     with ServerThread(_robot_backend()) as srv:
         thread.start()
-        code = main(
+        code = edgerl_main(
             ["robot", "--server", srv.address, "--robots", "2", "--hz", "50", "--seconds", "3",
              "--robot-arg", "env=InvertedPendulum-v5", "--metrics-port", str(port), "--json", str(out)]
         )  # fmt: skip
@@ -403,7 +403,7 @@ def test_edgerl_robot_with_a_taken_metrics_port_ends_before_a_robot_runs(
     taken.listen()
     port = taken.getsockname()[1]
     with taken, ServerThread(_robot_backend()) as srv:
-        code = main(
+        code = edgerl_main(
             ["robot", "--server", srv.address, "--hz", "50", "--seconds", "30",
              "--robot-arg", "env=InvertedPendulum-v5", "--metrics-port", str(port)]
         )  # fmt: skip
