@@ -263,45 +263,53 @@ _REASONS = {
 }
 
 
-def not_bound(host: str, port: int, exc: OSError, host_option: str = "--host") -> str:
-    """Why ``host:port`` could not be bound for the metrics, in words for the operator."""
-    why = {
-        errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
-        errno.EADDRNOTAVAIL: f"{host} is not an address of this machine ({host_option})",
-    }.get(exc.errno or 0, str(exc.strerror or exc))
-    return f"could not bind the metrics port {host_port(host, port)}: {why}"
-
-
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def metrics_url(host: str, port: int) -> str:
-    """Where ``GET /metrics`` of ``host:port`` is: ``http://HOST:PORT/metrics``."""
-    return f"http://{host_port(host, port)}/metrics"
+class MetricsBindError(OSError):
+    """The metrics port could not be bound; the message says why, in words for the operator."""
 
 
 class MetricsServer:
-    """``GET /metrics`` over HTTP on the event loop it is started on; ``render`` makes the body."""
+    """``GET /metrics`` on ``host:port`` (0: a free port) over HTTP, on the event loop it is started
+    on; ``render`` makes the body. ``host_option`` is the option that sets ``host``, for errors."""
 
-    def __init__(self, render: Callable[[], str]) -> None:
+    def __init__(self, render: Callable[[], str], host: str, port: int, host_option: str = "--host") -> None:
         self.render = render
+        self.host, self.asked, self.host_option = host, port, host_option
         self.port = 0
+        """The bound port; 0 until :meth:`start`."""
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind ``host:port`` (0: a free port, on the first address ``host`` resolves to) and start
-        answering; returns the port.
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``, once bound."""
+        return f"http://{host_port(self.host, self.port)}/metrics"
+
+    async def start(self) -> int:
+        """Bind (a free port on the first address ``host`` resolves to, where asked for 0) and
+        start answering; returns the port.
 
         Raises:
-            OSError: the port is in use, or ``host`` is not an address of this machine.
+            MetricsBindError: the port is in use, or ``host`` is not an address of this machine.
         """
-        host = host.strip("[]")  # an IPv6 host as gRPC takes it
-        if port == 0:  # one socket, or each address of a name would get a port of its own
-            host = str(socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][4][0])
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_HEAD_BYTES)
+        host = self.host.strip("[]")  # an IPv6 host as gRPC takes it
+        try:
+            if self.asked == 0:  # one socket, or each address of a name would get a port of its own
+                info = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+                host = str(info[0][4][0])
+            self._server = await asyncio.start_server(self._handle, host, self.asked, limit=MAX_HEAD_BYTES)
+        except OSError as exc:
+            why = {
+                errno.EADDRINUSE: "the port is in use (--metrics-port 0 picks a free one)",
+                errno.EADDRNOTAVAIL: f"{self.host} is not an address of this machine ({self.host_option})",
+            }.get(exc.errno or 0, str(exc.strerror or exc))
+            raise MetricsBindError(
+                f"could not bind the metrics port {host_port(self.host, self.asked)}: {why}"
+            ) from exc
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -371,20 +379,16 @@ class MetricsThread:
     """A :class:`MetricsServer` on an event loop of its own, in a thread: for a process whose own
     loop is not asyncio's (``edgerl robot``). ``render`` is called on that thread."""
 
-    def __init__(self, render: Callable[[], str]) -> None:
-        self.server = MetricsServer(render)
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="edgerl-metrics", daemon=True)
 
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    def start(self, host: str, port: int) -> int:
+    def start(self) -> int:
         """As :meth:`MetricsServer.start`; on an error the thread is stopped again."""
         self._thread.start()
         try:
-            return asyncio.run_coroutine_threadsafe(self.server.start(host, port), self._loop).result(30)
+            return asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(30)
         except BaseException:
             self.close()
             raise

@@ -20,7 +20,7 @@ from edgerl.edge_server.backend import PolicyBackend, publish_limit, weights_lim
 from edgerl.edge_server.batcher import DynamicBatcher
 from edgerl.edge_server.learner import LearnerServicer
 from edgerl.edge_server.local import LocalActServer
-from edgerl.edge_server.metrics import MetricsServer, exposition, host_port, metrics_url, not_bound
+from edgerl.edge_server.metrics import MetricsBindError, MetricsServer, exposition, host_port
 from edgerl.edge_server.parsing import add_servicer
 from edgerl.edge_server.service import EdgePolicyServicer
 from edgerl.edge_server.transitions import TransitionConfig, TransitionStore
@@ -212,7 +212,11 @@ class EdgeServer:
             if cfg.local_socket
             else None
         )
-        self.metrics = MetricsServer(self.metrics_text) if cfg.metrics_port is not None else None
+        self.metrics = (
+            MetricsServer(self.metrics_text, cfg.host, cfg.metrics_port)
+            if cfg.metrics_port is not None
+            else None
+        )
         self._server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -228,7 +232,7 @@ class EdgeServer:
     @property
     def metrics_url(self) -> str:
         """``http://HOST:PORT/metrics``; empty where there is no metrics endpoint."""
-        return metrics_url(self.config.host, self.metrics_port) if self.metrics else ""
+        return self.metrics.url if self.metrics is not None else ""
 
     def metrics_text(self) -> str:
         """The ``Stats`` counters in Prometheus's text format, as ``GET /metrics`` gives them."""
@@ -315,11 +319,11 @@ class EdgeServer:
                     raise BindError(
                         f"could not bind the local Act socket {self.local.path}: {exc.strerror or exc}"
                     ) from exc
-            if self.metrics is not None and cfg.metrics_port is not None:
+            if self.metrics is not None:
                 try:
-                    await self.metrics.start(cfg.host, cfg.metrics_port)
-                except OSError as exc:
-                    raise BindError(not_bound(cfg.host, cfg.metrics_port, exc)) from exc
+                    await self.metrics.start()
+                except MetricsBindError as exc:
+                    raise BindError(str(exc)) from exc
             self.port = self._bind(server)
         except BaseException:  # nothing is served: release the sockets and the inference threads
             if self.local is not None:

@@ -304,30 +304,51 @@ def _line(stats: list[dict[str, Any]], stream: dict[str, Any], cpu: float | None
     )
 
 
-#: Each robot's counters in ``/metrics``: the key of :meth:`RobotLink.stats`, the family, its help.
-ROBOT_COUNTERS = (
-    ("ticks", "edgerl_robot_ticks_total", "Control ticks run."),
-    ("policy_ticks", "edgerl_robot_policy_ticks_total", "Ticks that applied a policy action."),
-    ("fallbacks", "edgerl_robot_fallbacks_total", "Ticks that applied a fallback action: none in time."),
-    ("estops", "edgerl_robot_estops_total", "E-stops latched."),
+#: Each robot's counters and gauges in ``/metrics``: the key of :meth:`RobotLink.stats`, the
+#: family, its type and its help.
+ROBOT_METRICS = (
+    ("ticks", "edgerl_robot_ticks_total", "counter", "Control ticks run."),
+    ("policy_ticks", "edgerl_robot_policy_ticks_total", "counter", "Ticks that applied a policy action."),
+    (
+        "fallbacks",
+        "edgerl_robot_fallbacks_total",
+        "counter",
+        "Ticks that applied a fallback action: none in time.",
+    ),
+    ("estops", "edgerl_robot_estops_total", "counter", "E-stops latched."),
     (
         "loop_deadline_misses",
         "edgerl_robot_loop_deadline_misses_total",
+        "counter",
         "Ticks the loop skipped, a period late.",
     ),
-    ("late_actions", "edgerl_robot_late_actions_total", "Answers dropped: they came after their deadline."),
-    ("requests", "edgerl_robot_requests_total", "Observations sent to the server."),
-    ("answers", "edgerl_robot_answers_total", "Answers from the server."),
-    ("episodes", "edgerl_robot_episodes_total", "Episodes ended."),
-)
-ROBOT_GAUGES = (
+    (
+        "late_actions",
+        "edgerl_robot_late_actions_total",
+        "counter",
+        "Answers dropped: they came after their deadline.",
+    ),
+    ("requests", "edgerl_robot_requests_total", "counter", "Observations sent to the server."),
+    ("answers", "edgerl_robot_answers_total", "counter", "Answers from the server."),
+    ("episodes", "edgerl_robot_episodes_total", "counter", "Episodes ended."),
     (
         "estopped",
         "edgerl_robot_estopped",
+        "gauge",
         "1 while the robot's e-stop is latched (until the operator's reset).",
     ),
-    ("policy_version", "edgerl_robot_policy_version", "Version of the policy's last answer (-1: none yet)."),
-    ("max_consecutive_fallbacks", "edgerl_robot_max_consecutive_fallbacks", "Longest fallback streak."),
+    (
+        "policy_version",
+        "edgerl_robot_policy_version",
+        "gauge",
+        "Version of the policy's last answer (-1: none yet).",
+    ),
+    (
+        "max_consecutive_fallbacks",
+        "edgerl_robot_max_consecutive_fallbacks",
+        "gauge",
+        "Longest fallback streak.",
+    ),
 )
 #: Each robot's recent percentiles (ms in :meth:`RobotLink.stats`): the key's stem, the family, its help.
 ROBOT_TIMES = (
@@ -359,14 +380,8 @@ def robot_exposition(stats: list[dict[str, Any]], stream: dict[str, Any]) -> str
 
     names = [{"robot": s["robot"] or str(i)} for i, s in enumerate(stats)]
     lines: list[str] = []
-    for key, name, help in ROBOT_COUNTERS:
-        lines += family_lines(
-            name, "counter", help, [("", n, s[key]) for n, s in zip(names, stats, strict=True)]
-        )
-    for key, name, help in ROBOT_GAUGES:
-        lines += family_lines(
-            name, "gauge", help, [("", n, s[key]) for n, s in zip(names, stats, strict=True)]
-        )
+    for key, name, kind, help in ROBOT_METRICS:
+        lines += family_lines(name, kind, help, [("", n, s[key]) for n, s in zip(names, stats, strict=True)])
     for stem, name, help in ROBOT_TIMES:
         samples = [
             ("", {**n, "quantile": q}, s[f"{stem}_p{p}"] / 1e3)
@@ -393,18 +408,19 @@ def _metrics_thread(host: RobotHost, bind: str, port: int | None) -> MetricsThre
     a port).
 
     Raises:
-        OSError: the port is in use, or ``bind`` is not an address of this machine, saying so.
+        MetricsBindError: the port is in use, or ``bind`` is not an address of this machine.
     """
-    from edgerl.edge_server.metrics import MetricsThread, metrics_url, not_bound
+    from edgerl.edge_server.metrics import MetricsServer, MetricsThread
 
     if port is None:
         return None
-    metrics = MetricsThread(lambda: robot_exposition(host.stats(), host.stream_stats()))
-    try:
-        metrics.start(bind, port)
-    except OSError as exc:
-        raise OSError(exc.errno, not_bound(bind, port, exc, "--metrics-host")) from exc
-    print(f"edgerl robot: metrics on {metrics_url(bind, metrics.port)}", flush=True)
+
+    def render() -> str:
+        return robot_exposition(host.stats(), host.stream_stats())
+
+    metrics = MetricsThread(MetricsServer(render, bind, port, "--metrics-host"))
+    metrics.start()
+    print(f"edgerl robot: metrics on {metrics.server.url}", flush=True)
     return metrics
 
 
@@ -468,12 +484,12 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         host = RobotHost(robots, cfg, on_tick=recorder.record if recorder else None)
         try:  # before any robot runs: a port that is taken leaves them untouched
             metrics = _metrics_thread(host, a.metrics_host, a.metrics_port)
-        except OSError as exc:
+        except OSError as exc:  # a MetricsBindError, saying why
             for robot in robots:
                 robot.close()
             if recorder is not None:
                 recorder.close()
-            print(f"edgerl robot: {exc.strerror}", file=sys.stderr, flush=True)
+            print(f"edgerl robot: {exc}", file=sys.stderr, flush=True)
             return 1
         with contextlib.ExitStack() as stack:
             if recorder is not None:

@@ -309,18 +309,21 @@ def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
 
 
 def test_a_robot_host_s_counters_are_labelled_by_robot_and_parse() -> None:
-    from edgerl.launch.robot import ROBOT_COUNTERS, ROBOT_GAUGES, robot_exposition
+    from edgerl.launch.robot import ROBOT_METRICS, robot_exposition
+
+    counters = [(key, name) for key, name, kind, _ in ROBOT_METRICS if kind == "counter"]
+    gauges = [(key, name) for key, name, kind, _ in ROBOT_METRICS if kind == "gauge"]
 
     def robot(name: str, ticks: int, latency_ms: float) -> dict[str, object]:
-        counters = {key: ticks + i for i, (key, _, _) in enumerate(ROBOT_COUNTERS)}
-        gauges = {"estopped": ticks > 100, "policy_version": 7, "max_consecutive_fallbacks": 3}
+        values = {key: ticks + i for i, (key, _) in enumerate(counters)}
+        flags = {"estopped": ticks > 100, "policy_version": 7, "max_consecutive_fallbacks": 3}
         times = {
             f"{stem}_p{p}": latency_ms * p for stem in ("tick_jitter_ms", "action_age_ms") for p in (50, 99)
         }
         return {
             "robot": name,
-            **counters,
-            **gauges,
+            **values,
+            **flags,
             **times,
             "latency_ms_p50": latency_ms,
             "latency_ms_p99": 2.0,
@@ -332,9 +335,9 @@ def test_a_robot_host_s_counters_are_labelled_by_robot_and_parse() -> None:
     for family in text_string_to_metric_families(robot_exposition(stats, stream)):
         for s in family.samples:
             got[s.name, s.labels.get("robot", ""), s.labels.get("quantile", "")] = s.value
-    for i, (_, name, _) in enumerate(ROBOT_COUNTERS):
+    for i, (_, name) in enumerate(counters):
         assert (got[name, "arm-left", ""], got[name, "1", ""]) == (10 + i, 200 + i), name
-    assert [got[name, "1", ""] for _, name, _ in ROBOT_GAUGES] == [1, 7, 3]  # e-stopped: 1
+    assert [got[name, "1", ""] for _, name in gauges] == [1, 7, 3]  # e-stopped: 1
     assert got["edgerl_robot_estopped", "arm-left", ""] == 0
     assert got["edgerl_robot_latency_seconds", "arm-left", "0.5"] == pytest.approx(0.0015)
     assert math.isnan(got["edgerl_robot_latency_seconds", "1", "0.5"])  # no answer yet
