@@ -214,7 +214,7 @@ class DynamicBatcher:
         self._timer_ns = 0
         self._batches_running = 0
         self._swaps_waiting = 0
-        self._batch_ended = asyncio.Event()  # set when a batch or a swap ends
+        self._changed = asyncio.Event()  # set when a batch or a swap ends, or queued requests are dropped
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -242,10 +242,11 @@ class DynamicBatcher:
         self._threads = []
 
     async def _while(self, busy: Callable[[], bool]) -> None:
-        """Wait as long as ``busy()``, asking again each time a batch or a swap ends."""
+        """Wait as long as ``busy()``, asking again each time a batch or a swap ends or queued
+        requests are dropped: whatever can make it false."""
         while busy():
-            await self._batch_ended.wait()
-            self._batch_ended.clear()
+            await self._changed.wait()
+            self._changed.clear()
 
     @property
     def closing(self) -> bool:
@@ -285,6 +286,7 @@ class DynamicBatcher:
             self._finish(req)
             req.future.cancel()
         self.stats.dropped_rows += rows
+        self._changed.set()  # a close may be waiting for these alone: no batch end is to come
         self._pump()
         return rows
 
@@ -404,7 +406,7 @@ class DynamicBatcher:
 
         def done(outcome: _Outcome | None, error: BaseException | None) -> None:
             self._batches_running -= 1
-            self._batch_ended.set()
+            self._changed.set()
             self._answer(batch, now_ns, outcome, error)
             # The next batch starts after the answers are on their way: their waiters run first
             # (a future's callbacks are queued on the loop when it is set). Started here, its
@@ -450,7 +452,7 @@ class DynamicBatcher:
 
             def done(result: _T, error: BaseException | None) -> None:
                 self._swaps_waiting -= 1
-                self._batch_ended.set()
+                self._changed.set()
                 self._pump()
                 if finished.done():  # the caller stopped waiting
                     return

@@ -154,6 +154,28 @@ def test_close_finishes_queued_requests_and_refuses_new_ones() -> None:
     run(main())
 
 
+def test_close_ends_when_a_stream_that_ended_takes_the_last_queued_request_back() -> None:
+    """A stream's request waits in the queue behind the last running batch while the batcher
+    closes. The batch ends and wakes the close, which sees the request still queued and waits
+    again; then the stream ends (its answer was the batch's: here, the batch's future's callback
+    runs just then) and takes the request back. Nothing ran or was queued any more, and the close
+    waited for a batch end that would never come: a server's stop hung (1 run in ~10 of a
+    worker's test under load)."""
+
+    async def main() -> None:
+        b = DynamicBatcher(EchoPolicy(4, 2, delay_s=0.1), max_batch_size=1, max_delay_us=0, max_queue_rows=8)
+        b.start()
+        mine = b.open_stream(max_inflight=2)
+        running = b.submit(_obs(1, 1.0), mine)  # a whole batch: it starts at once
+        queued = b.submit(_obs(1, 2.0), mine)  # behind it (pipeline depth 1)
+        running.add_done_callback(lambda _: b.drop_queued(mine))  # the stream ends on its answer
+        await asyncio.wait_for(b.close(), 5)
+        assert running.result().actions.tolist() == [[1.0, 1.0]]
+        assert queued.cancelled() and b.stats.dropped_rows == 1
+
+    run(main())
+
+
 class _ShortOnce(EchoPolicy):
     """Answers its first batch with one row too few, then as the echo policy."""
 
