@@ -1,7 +1,8 @@
 """The edge server's counters for Prometheus: ``GET /metrics`` over HTTP.
 
-With ``ServerConfig.metrics_port`` (``edgerl serve --metrics-port PORT``) the
-server also answers ``GET /metrics`` on that port of its host, in
+With ``ServerConfig.metrics_port`` (``edgerl serve``, ``train`` or ``rollout
+--metrics-port PORT``) the server also answers ``GET /metrics`` on that port
+of ``metrics_host`` (its gRPC host by default), in
 Prometheus's text format (version 0.0.4), for Prometheus, Grafana Agent,
 the OpenTelemetry collector or ``curl`` to scrape. The values are those of
 the ``Stats`` RPC (:meth:`EdgePolicyServicer.stats`), read when a scrape
@@ -17,7 +18,7 @@ Learner service.
 ``edgerl_server_info`` carries the server's version, env and backend as
 labels.
 
-The endpoint is plain HTTP on the gRPC port's host (loopback by default),
+The endpoint is plain HTTP (on loopback by default),
 without TLS or tokens: counters only, no observations or weights. One
 connection is one request (``Connection: close``); a request line and
 headers over 8 KB get 431, a method other than GET or HEAD 405, a path other
@@ -268,6 +269,11 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def url_of(host: str, port: int) -> str:
+    """``http://HOST:PORT/metrics``, an IPv6 host in brackets."""
+    return f"http://{host_port(host, port)}/metrics"
+
+
 class MetricsBindError(OSError):
     """The metrics port could not be bound; the message says why, in words for the operator."""
 
@@ -287,7 +293,7 @@ class MetricsServer:
     @property
     def url(self) -> str:
         """``http://HOST:PORT/metrics``, once bound."""
-        return f"http://{host_port(self.host, self.port)}/metrics"
+        return url_of(self.host, self.port)
 
     async def start(self) -> int:
         """Bind (a free port on the first address ``host`` resolves to, where asked for 0) and

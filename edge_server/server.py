@@ -102,9 +102,12 @@ class ServerConfig:
     """Path of a Unix socket that serves the Act stream without gRPC to clients on this machine
     (see edgerl.edge_server.local); empty: none."""
     metrics_port: int | None = None
-    """Port on ``host`` where ``GET /metrics`` gives the ``Stats`` counters in Prometheus's text
-    format (see edgerl.edge_server.metrics); 0 picks a free one (read it back from
-    ``EdgeServer.metrics_port``); None: none."""
+    """Port on ``metrics_host`` where ``GET /metrics`` gives the ``Stats`` counters in
+    Prometheus's text format (see edgerl.edge_server.metrics); 0 picks a free one (read it back
+    from ``EdgeServer.metrics_port``); None: none."""
+    metrics_host: str = ""
+    """Address the metrics port binds; empty: ``host``. The gRPC port may face the robots' network
+    (with TLS) while the counters stay on loopback, or the other way round."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -121,6 +124,10 @@ class ServerConfig:
         if self.metrics_port == self.port != 0:
             raise ValueError(
                 f"metrics_port and port are both {self.port}: the metrics need a port of their own"
+            )
+        if self.metrics_host and self.metrics_port is None:
+            raise ValueError(
+                f"metrics_host is {self.metrics_host!r} but metrics_port is None: no metrics to bind"
             )
         if self.max_delay_us < 0:
             raise ValueError(f"max_delay_us must be >= 0, got {self.max_delay_us}")
@@ -213,7 +220,12 @@ class EdgeServer:
             else None
         )
         self.metrics = (
-            MetricsServer(self.metrics_text, cfg.host, cfg.metrics_port)
+            MetricsServer(
+                self.metrics_text,
+                cfg.metrics_host or cfg.host,
+                cfg.metrics_port,
+                "--metrics-host" if cfg.metrics_host else "--host",
+            )
             if cfg.metrics_port is not None
             else None
         )

@@ -106,3 +106,31 @@ def add_json_option(parser: argparse.ArgumentParser, help: str) -> None:
     """``--json PATH``, the file a command writes its result to, checked by :func:`output_file`
     when the command line is read."""
     parser.add_argument("--json", metavar="PATH", type=output_file, help=help)
+
+
+def add_metrics_options(parser: argparse.ArgumentParser, counters: str, *, host: str) -> None:
+    """``--metrics-port PORT`` and ``--metrics-host HOST``: a ``GET /metrics`` endpoint of
+    ``counters`` (what they are, in words). ``--metrics-host`` defaults to empty, which binds
+    ``host`` (in words: ``127.0.0.1``, ``--host's``); :func:`check_metrics_options` refuses it
+    without ``--metrics-port``."""
+    parser.add_argument(
+        "--metrics-port",
+        type=PORT,
+        default=None,
+        metavar="PORT",
+        help=f"also answer GET /metrics on this port of --metrics-host: {counters}, in Prometheus's "
+        "text format, plain HTTP; 0: a free one (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="",
+        metavar="HOST",
+        help=f"address the metrics port binds (0.0.0.0: every interface) (default: {host})",
+    )
+
+
+def check_metrics_options(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse ``--metrics-host`` without ``--metrics-port`` (exit status 2), where it would bind
+    nothing."""
+    if getattr(a, "metrics_host", "") and getattr(a, "metrics_port", None) is None:
+        parser.error("argument --metrics-host: needs --metrics-port (the metrics are off without one)")

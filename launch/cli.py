@@ -25,7 +25,9 @@ from edgerl.launch.argtypes import (
     WIRE_COUNT,
     WIRE_MICROSECONDS,
     add_json_option,
+    add_metrics_options,
     bounded,
+    check_metrics_options,
     config_from_args,
     output_file,
     socket_path,
@@ -88,6 +90,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 _FMT = _Formatter
 _DEFAULT_SERVER = ServerConfig()
+_SERVER_COUNTERS = "the server's counters (those of the Stats RPC)"
+_LOOPBACK_WORDS = f"{_DEFAULT_SERVER.host}, as the server's gRPC port"
 #: One core for the edge server, the rest for env stepping (measured best on 2 cores:
 #: a second worker process costs more in contention than it adds in stepping).
 DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)
@@ -363,14 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a line on what the server did this often (streams, rows/s, batch size, queue "
         "wait, inference time, policy version, refusals); idle spells print nothing (0: never)",
     )
-    p.add_argument(
-        "--metrics-port",
-        type=PORT,
-        default=None,
-        metavar="PORT",
-        help="also answer GET /metrics on this port of --host: the server's counters (those of the "
-        "Stats RPC) in Prometheus's text format, plain HTTP; 0: a free one (default: off)",
-    )
+    add_metrics_options(p, _SERVER_COUNTERS, host="--host's")
     p.add_argument("--tls-cert", default="", help="PEM certificate chain of the server (enables TLS)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="PEM CA that client certificates must chain to (mTLS)")
@@ -443,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the workers reach the server: its gRPC port, or its local Act socket (no gRPC; "
         "faster on one machine, see edgerl bench throughput's async_local)",
     )
+    add_metrics_options(p, _SERVER_COUNTERS, host=_LOOPBACK_WORDS)
     add_json_option(p, "also write the summary as JSON")
     _add_common(p)
 
@@ -659,6 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --run-dir from its last checkpoint, with its own settings (its "
         "config.json; options given again win, e.g. a larger --steps)",
     )
+    add_metrics_options(p, _SERVER_COUNTERS + ", the learner's among them", host=_LOOPBACK_WORDS)
     add_json_option(p, "also write the summary as JSON")
     _add_common(p)
     return parser
@@ -730,7 +729,13 @@ def _train(a: argparse.Namespace) -> int:
     from edgerl.launch.train import run_training
 
     cfg = _train_config(a)
-    return _report(run_training(cfg, resume=a.resume, log_level=a.log_level), a.json)
+    summary = run_training(
+        cfg,
+        resume=a.resume,
+        log_level=a.log_level,
+        metrics=(a.metrics_host, a.metrics_port) if a.metrics_port is not None else None,
+    )
+    return _report(summary, a.json)
 
 
 def _bench_learn(a: argparse.Namespace) -> int:
@@ -889,7 +894,12 @@ def _rollout(a: argparse.Namespace) -> int:
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
     local = os.path.join(local_dir.name, LOCAL_SOCKET_NAME) if local_dir else ""
     cfg = ServerConfig(
-        port=0, max_batch_size=a.max_batch_size, max_delay_us=a.max_delay_us, local_socket=local
+        port=0,
+        max_batch_size=a.max_batch_size,
+        max_delay_us=a.max_delay_us,
+        local_socket=local,
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
     )
     server = ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a)))
     with local_dir or contextlib.nullcontext(), server:
@@ -899,6 +909,8 @@ def _rollout(a: argparse.Namespace) -> int:
             f"{a.envs} envs of {a.env} over {via}",
             flush=True,
         )
+        if server.metrics_url:
+            print(f"edgerl: metrics on {server.metrics_url}", flush=True)
         tried = try_placements(a, candidates, server.address, say)
         before = server_stats(server.address) if candidates else None
         with _fleet(a, server.address, local) as fleet:
@@ -1029,7 +1041,9 @@ _BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn, "robot": _be
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_metrics_options(parser, args)
     configure_logging(args.log_level)
     command = _BENCHES[args.bench] if args.command == "bench" else _COMMANDS[args.command]
     try:

@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
+from edgerl.edge_server.metrics import host_port, url_of
 from edgerl.edge_server.server import BindError, ServerConfig
 from edgerl.proto.settings import UNIX_PATH_MAX, check_finite
 from edgerl.robot_client.keeper import host_session_id
@@ -355,7 +356,7 @@ def _server_main(
                 server.backend.close()  # a vLLM engine's processes and weights folder with it
                 return
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        ready.add_done_callback(lambda f: conn.send(f.result()))
+        ready.add_done_callback(lambda f: conn.send(Bound(f.result(), server.metrics_port)))
         await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
 
     with _reported(conn.send, quiet=(*USER_ERRORS, BindError)):
@@ -397,6 +398,14 @@ def _reported(report: Callable[[str], object], *, quiet: tuple[type[Exception], 
         if isinstance(exc, quiet):
             sys.exit(1)
         raise
+
+
+class Bound(NamedTuple):
+    """What a server process tells its parent once it serves: its bound ports."""
+
+    port: int
+    metrics_port: int
+    """0 where it serves no metrics."""
 
 
 class ServerStartError(RuntimeError):
@@ -441,13 +450,22 @@ class ServerProcess:
         self.log_level = log_level
         self.start_timeout_s = start_timeout_s
         self.port = 0
+        self.metrics_port = 0
+        """The bound port of the server's ``GET /metrics`` (``config.metrics_port``); 0: none."""
         self._proc: Any = None
         self._go: Any = None
         self._ready: Any = None
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return host_port(self.config.host, self.port)
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://HOST:PORT/metrics`` of the server's counters; empty where it serves none."""
+        if not self.metrics_port:
+            return ""
+        return url_of(self.config.metrics_host or self.config.host, self.metrics_port)
 
     @property
     def pid(self) -> int | None:
@@ -455,12 +473,16 @@ class ServerProcess:
         return None if self._proc is None else int(self._proc.pid)
 
     def start(self, *, standby: bool = False) -> str:
-        """Start the server; after a :meth:`kill` or :meth:`stop` it comes back on the same port.
+        """Start the server; after a :meth:`kill` or :meth:`stop` it comes back on the same port
+        (and metrics port).
 
         With ``standby=True`` the process builds and warms the policy, then waits
         for :meth:`activate` before it binds: a restart that takes milliseconds.
         """
-        config = dataclasses.replace(self.config, port=self.port) if self.port else self.config
+        config = self.config
+        if self.port:  # back on the ports it had
+            metrics_port = self.metrics_port or config.metrics_port
+            config = dataclasses.replace(config, port=self.port, metrics_port=metrics_port)
         parent, child = _CTX.Pipe(duplex=False)
         go_recv, self._go = _CTX.Pipe(duplex=False) if standby else (None, None)
         self._proc = _CTX.Process(
@@ -491,13 +513,13 @@ class ServerProcess:
             self.stop()
             raise TimeoutError(f"edge server did not start within {self.start_timeout_s}s")
         msg = self._ready.recv()
-        if (what == "standby" and msg != "standby") or (what == "port" and not isinstance(msg, int)):
+        if (what == "standby" and msg != "standby") or (what == "bound" and not isinstance(msg, Bound)):
             self.stop()
             raise ServerStartError(f"edge server failed to start: {msg}")
         return msg
 
     def _wait_bound(self) -> str:
-        self.port = self._expect("port")
+        self.port, self.metrics_port = self._expect("bound")
         return self.address
 
     def stop(self, timeout_s: float = 15.0) -> None:

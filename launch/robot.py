@@ -24,10 +24,10 @@ from edgerl.launch.argtypes import (
     COUNT,
     NON_NEGATIVE,
     NON_NEGATIVE_INT,
-    PORT,
     POSITIVE,
     PROBABILITY,
     add_json_option,
+    add_metrics_options,
 )
 from edgerl.launch.machine import BUSY_CORES, CpuMeter, busy_text
 from edgerl.launch.processes import on_signals, on_stop_signals, parse_cpus
@@ -51,6 +51,8 @@ RESET_SIGNAL = signal.SIGUSR1
 """The operator's e-stop reset of a running ``edgerl robot`` (``kill -USR1 PID``)."""
 STATS_EVERY_S = 2.0
 """How often ``edgerl robot`` prints a line of its robots' counts (seconds)."""
+METRICS_HOST = "127.0.0.1"
+"""Where ``--metrics-port`` binds without ``--metrics-host``: loopback."""
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +159,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--record", metavar="DIR", help="record every tick as a ROS 2 bag (MCAP) in this new folder"
     )
-    p.add_argument(
-        "--metrics-port",
-        type=PORT,
-        default=None,
-        metavar="PORT",
-        help="also answer GET /metrics on this port of --metrics-host: each robot's counters (ticks, "
-        "fallbacks, e-stops, latency) and the stream's, in Prometheus's text format; 0: a free one "
-        "(default: off)",
-    )
-    p.add_argument(
-        "--metrics-host", default="127.0.0.1", help="address the metrics bind (0.0.0.0: every interface)"
+    add_metrics_options(
+        p,
+        "each robot's counters (ticks, fallbacks, e-stops, latency) and the stream's",
+        host=METRICS_HOST,
     )
     add_json_option(p, "write the final statistics as JSON")
 
@@ -483,7 +478,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         )
         host = RobotHost(robots, cfg, on_tick=recorder.record if recorder else None)
         try:  # before any robot runs: a port that is taken leaves them untouched
-            metrics = _metrics_thread(host, a.metrics_host, a.metrics_port)
+            metrics = _metrics_thread(host, a.metrics_host or METRICS_HOST, a.metrics_port)
         except OSError as exc:  # a MetricsBindError, saying why
             for robot in robots:
                 robot.close()

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import sys
 import time
 import tomllib
 import types
@@ -264,9 +265,18 @@ def _resume_hint(run_dir: Path) -> str:
 
 
 def run_training(
-    cfg: RunConfig, *, resume: bool = False, progress: bool = True, log_level: str = "WARNING"
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    log_level: str = "WARNING",
+    metrics: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Run one training job; returns its summary (also written to ``summary.json``)."""
+    """Run one training job; returns its summary (also written to ``summary.json``).
+
+    ``metrics``: (host, port) where the server also answers ``GET /metrics``, its counters and the
+    learner's (see edgerl.edge_server.metrics); an empty host is the server's, loopback; port 0
+    picks a free one, which the run prints. None: no metrics."""
     import torch
 
     from edgerl.sim.envs import env_spec
@@ -278,9 +288,6 @@ def run_training(
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with writing(run_dir / "config.json"):
-        (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
     torch.set_num_threads(cfg.ppo.torch_threads)
     policy_spec = PolicySpec(
         env_name=cfg.env,
@@ -313,8 +320,17 @@ def run_training(
     # a group's step in one forward pass however many envs it holds (past the default batch, its
     # worker would split it in messages of 256 rows, each a forward pass of its own)
     rows = max(ServerConfig.max_batch_size, largest_request(cfg.envs, cfg.workers, cfg.fleet_groups))
-    server_cfg = ServerConfig(port=0, max_batch_size=rows, learner=learner)
+    metrics_host, metrics_port = metrics or ("", None)
+    server_cfg = ServerConfig(
+        port=0, max_batch_size=rows, learner=learner, metrics_port=metrics_port, metrics_host=metrics_host
+    )
     with ServerProcess(policy_spec, server_cfg, log_level=log_level) as server:
+        # the run folder once the server is up: a run that could not start leaves none behind
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with writing(run_dir / "config.json"):
+            (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
+        if server.metrics_url:
+            print(f"edgerl: metrics on {server.metrics_url}", file=sys.stderr, flush=True)
         run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
         trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume, run_info=run_info)
         worker_cfg = SimWorkerConfig(

@@ -7,12 +7,16 @@ import contextlib
 import json
 import logging
 import math
+import re
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,11 +27,12 @@ from edgerl.edge_server import metrics
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
 from edgerl.launch.cli import main as edgerl_main
+from edgerl.launch.processes import PolicySpec, ServerProcess
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
-from tests.helpers import EchoPolicy, ServerThread, act_once, free_port, run, running_server, serving
+from tests.helpers import EDGERL, EchoPolicy, ServerThread, act_once, free_port, run, running_server, serving
 
 STATS_FIELDS = [f.name for f in pb.StatsResponse.DESCRIPTOR.fields]
 HALF_CHEETAH = env_spec("HalfCheetah-v5")
@@ -292,13 +297,123 @@ def test_the_metrics_port_is_checked_with_the_config() -> None:
     assert ServerConfig(port=0, metrics_port=0).metrics_port == 0  # each a free port of its own
 
 
+def test_the_metrics_bind_a_host_of_their_own_where_asked() -> None:
+    async def main() -> None:
+        config = ServerConfig(port=0, metrics_port=0, metrics_host="127.0.0.2")  # loopback, another address
+        server = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), config)
+        await server.start()
+        try:
+            assert server.address.startswith("127.0.0.1:")
+            assert server.metrics_url == f"http://127.0.0.2:{server.metrics_port}/metrics"
+            assert (await scraped(server.metrics_url))[0] == 200
+            with pytest.raises(ConnectionRefusedError):  # not on the gRPC port's host
+                await asyncio.open_connection("127.0.0.1", server.metrics_port)
+        finally:
+            await server.stop(grace_s=0)
+        config = ServerConfig(port=0, metrics_port=0, metrics_host="192.0.2.1")  # TEST-NET-1: no one's
+        server = EdgeServer(EchoPolicy(obs_dim=4, act_dim=2), config)
+        with pytest.raises(
+            BindError, match=r"192\.0\.2\.1 is not an address of this machine \(--metrics-host\)"
+        ):
+            await server.start()
+
+    run(main())
+    with pytest.raises(ValueError, match=r"metrics_host is '0\.0\.0\.0' but metrics_port is None"):
+        ServerConfig(metrics_host="0.0.0.0")
+
+
+@pytest.mark.parametrize("command", ["serve", "rollout", "train", "robot --server 127.0.0.1:1"])
+def test_metrics_host_without_a_metrics_port_is_refused(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        edgerl_main([*command.split(), "--metrics-host", "0.0.0.0"])
+    assert exit_.value.code == 2
+    assert "error: argument --metrics-host: needs --metrics-port" in capsys.readouterr().err
+
+
+def test_a_server_process_comes_back_on_its_metrics_port() -> None:
+    server = ServerProcess(
+        PolicySpec("InvertedPendulum-v5", "mlp-small"), ServerConfig(port=0, metrics_port=0)
+    )
+    with server:
+        port = server.metrics_port
+        assert port > 0 and server.metrics_url == f"http://127.0.0.1:{port}/metrics"
+        asyncio.run(act_once(server.address, np.zeros((2, 4), np.float32)))
+        assert samples(scrape(server.metrics_url)[2])["edgerl_requests_total", ""] == 1
+        server.kill()
+        with pytest.raises(OSError):
+            scrape(server.metrics_url)
+        server.start()
+        assert server.metrics_port == port  # where the scrape config points
+        assert samples(scrape(server.metrics_url)[2])["edgerl_requests_total", ""] == 0  # a new process
+    plain = ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small"))
+    with plain:
+        assert (plain.metrics_port, plain.metrics_url) == (0, "")
+
+
+def scrape_until(
+    url: str, proc: subprocess.Popen[Any], ready: Callable[[dict[tuple[str, str], float]], bool]
+) -> dict[tuple[str, str], float]:
+    """The first scrape of ``url`` whose samples are ``ready``, while ``proc`` runs (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the command ended before its counters were scraped"
+        with contextlib.suppress(OSError):
+            status, _, body = scrape(url)
+            if status == 200 and ready(got := samples(body)):
+                return got
+        time.sleep(0.2)
+    raise AssertionError(f"{url}: not ready in 60 s")
+
+
+def test_edgerl_rollout_serves_its_servers_counters_while_it_runs(tmp_path: Path) -> None:
+    out = tmp_path / "rollout.json"
+    command = [*EDGERL, "rollout", "--env", "InvertedPendulum-v5", "--envs", "8", "--workers", "1",
+               "--seconds", "8", "--metrics-port", "0", "--json", str(out)]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("edgerl: edge server on 127.0.0.1:")
+        line = proc.stdout.readline().strip()
+        assert re.fullmatch(r"edgerl: metrics on http://127\.0\.0\.1:\d+/metrics", line), line
+        url = line.split()[-1]
+        got = scrape_until(url, proc, lambda got: got["edgerl_requests_total", ""] >= 50)
+        proc.stdout.read()
+        assert proc.wait(timeout=120) == 0
+    served = json.loads(out.read_text())["server"]
+    assert 50 <= got["edgerl_requests_total", ""] < served["requests"]  # live, then the run went on
+    assert got["edgerl_failed_requests_total", ""] == served["failed_requests"] == 0
+    assert ("edgerl_transitions_total", "") not in got  # a rollout does not learn
+    with pytest.raises(OSError):  # the run ended: its server's port with it
+        scrape(url)
+
+
+def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path) -> None:
+    port, out, err = free_port(), tmp_path / "train.json", tmp_path / "stderr.txt"
+    url = f"http://127.0.0.1:{port}/metrics"
+    command = [*EDGERL, "train", "--envs", "4", "--segment-steps", "16", "--steps", "4000", "--run-dir",
+               str(tmp_path / "run"), "--metrics-port", str(port), "--json", str(out)]  # fmt: skip
+    with err.open("w") as stderr, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr) as proc:
+        got = scrape_until(url, proc, lambda got: got["edgerl_weight_publishes_total", ""] >= 2)
+        assert proc.wait(timeout=600) == 0
+    summary = json.loads(out.read_text())
+    assert f"edgerl: metrics on {url}" in err.read_text().splitlines()
+    publishes = got["edgerl_weight_publishes_total", ""]
+    assert got["edgerl_policy_version", ""] == publishes <= summary["policy_version"]
+    # each publish follows a batch of 4 x 16 transitions the trainer acknowledged
+    assert got["edgerl_transitions_total", ""] >= 64 * publishes
+    assert got["edgerl_segments_acked_total", ""] >= 4 * publishes
+    with pytest.raises(OSError):
+        scrape(url)
+
+
 def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
-    with serving("--metrics-port", "0") as (proc, first):
+    with serving("--metrics-port", "0", "--metrics-host", "127.0.0.2") as (proc, first):
         assert proc.stdout is not None
         assert first.startswith("edgerl: serving HalfCheetah-v5 on 127.0.0.1:")
         proc.stdout.readline()  # the policy line
         line = proc.stdout.readline().strip()
-        assert line.startswith("edgerl: metrics on http://127.0.0.1:") and line.endswith("/metrics")
+        assert line.startswith("edgerl: metrics on http://127.0.0.2:") and line.endswith("/metrics")
         url = line.split()[-1]
         asyncio.run(act_once(first.split()[-1], np.zeros((4, 17), np.float32)))
         status, _, body = scrape(url)

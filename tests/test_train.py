@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import time
@@ -480,18 +481,29 @@ def test_bench_learn_reports_seeds_and_the_sync_baseline_side_by_side(tmp_path: 
 
 
 def test_a_run_that_cannot_start_writes_no_run_folder(tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
     cases = [
-        (["--env", "NoSuchEnv-v0"], "env 'NoSuchEnv-v0'"),
-        (["--resume", "--run-dir", "runs/never-trained"], "--resume: no run in runs/never-trained"),
+        (["--env", "NoSuchEnv-v0"], 2, "env 'NoSuchEnv-v0'"),
+        (["--resume", "--run-dir", "runs/never-trained"], 2, "--resume: no run in runs/never-trained"),
+        # its server could not start
+        (
+            ["--metrics-port", str(port)],
+            1,
+            f"could not bind the metrics port 127.0.0.1:{port}: the port is in use",
+        ),
     ]
-    for args, reason in cases:
-        out = subprocess.run(
-            [*EDGERL, "train", "--steps", "100", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert out.returncode == 2 and reason in out.stderr.splitlines()[-1], out.stderr
-        assert not (tmp_path / "runs").exists()  # nothing for the user to clean up
+    with taken:
+        for args, code, reason in cases:
+            out = subprocess.run(
+                [*EDGERL, "train", "--steps", "100", *args],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            assert out.returncode == code and reason in out.stderr.splitlines()[-1], out.stderr
+            assert not (tmp_path / "runs").exists()  # nothing for the user to clean up
