@@ -229,17 +229,52 @@ class DynamicBatcher:
         for thread in self._threads:
             thread.start()
 
-    async def close(self) -> None:
-        """Refuse new requests, finish every queued one, stop the inference threads."""
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests, finish every queued one, stop the inference threads.
+
+        With ``timeout_s``, where that work has not ended by then (a forward pass that hangs: a
+        wedged engine, a device lost), the requests still queued fail with
+        :class:`BatcherClosedError` and the running batches are left to their threads, which
+        are told to stop once free and not waited for: a server's stop stays bounded."""
         self._closing = True
         self._pump()
-        # Whatever is left waits for a running batch or swap, whose end pumps again.
-        await self._while(lambda: bool(self._queue or self._batches_running or self._swaps_waiting))
+
+        def busy() -> bool:  # what is left waits for a running batch or swap, whose end pumps again
+            return bool(self._queue or self._batches_running or self._swaps_waiting)
+
+        finished = True
+        if busy():
+            try:
+                await asyncio.wait_for(self._while(busy), timeout_s)
+            except TimeoutError:
+                finished = False
+                self._give_up(timeout_s or 0.0)
         for _ in self._threads:
             self._jobs.put(None)
-        for thread in self._threads:
-            thread.join()
+        if finished:
+            for thread in self._threads:
+                thread.join()
         self._threads = []
+
+    def _give_up(self, waited_s: float) -> None:
+        """Fail the queued requests of a close that waited ``waited_s`` in vain."""
+        left = list(self._queue)
+        self._queue.clear()
+        self._queued_rows = 0
+        self._streams_waiting = 0
+        log.warning(
+            "stopping: %d batch(es) still running and %d request(s) queued after %.1f s; the "
+            "running ones are left to their threads, the queued ones refused",
+            self._batches_running,
+            len(left),
+            waited_s,
+        )
+        for req in left:
+            if req.slots is not None:
+                req.slots.queued = 0
+            self._finish(req)
+            if not req.future.done():
+                req.future.set_exception(BatcherClosedError("the server stopped before this request's turn"))
 
     async def _while(self, busy: Callable[[], bool]) -> None:
         """Wait as long as ``busy()``, asking again each time a batch or a swap ends or queued
@@ -435,7 +470,10 @@ class DynamicBatcher:
                 result, error = fn(), None
             except BaseException as exc:  # handed to the requests' waiters
                 result, error = None, exc
-            loop.call_soon_threadsafe(done, result, error)
+            try:
+                loop.call_soon_threadsafe(done, result, error)
+            except RuntimeError:  # the loop has ended: a close gave up on this job (see close)
+                return
 
     async def run_between_batches(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on an inference thread, after the running batches and before the next.

@@ -79,7 +79,9 @@ class ServerConfig:
     call that never sends one is not among the open streams ``max_streams`` counts (it is among
     those waiting, which it also bounds) and would hold its handler for good. 0: no limit."""
     grace_s: float = 5.0
-    """On shutdown, how long in-flight work may take before streams are cancelled (seconds)."""
+    """On shutdown, how long the batches in flight may take, and then how long the streams may
+    take to write their last answers before they are cancelled (seconds). Requests that no batch
+    took by the first end get UNAVAILABLE (see ``EdgeServer.stop``)."""
     keepalive_s: float = 30.0
     """Ping a connection with a call open that has sent nothing for this long (seconds); 0: off.
     A client whose link died without closing it (power cut, cable pulled, out of Wi-Fi range)
@@ -377,7 +379,12 @@ class EdgeServer:
         return port
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful shutdown: in-flight batches finish, new requests get UNAVAILABLE."""
+        """Graceful shutdown: in-flight batches finish, new requests get UNAVAILABLE.
+
+        ``grace_s`` (``config.grace_s`` by default) bounds each of its two waits: for the batches
+        (where they take longer, a forward pass that hangs, the requests that no batch took get
+        UNAVAILABLE and the running ones are left unanswered), then for the streams to write
+        their last answers, after which they are cancelled."""
         if self._server is None:
             return
         server, self._server = self._server, None
@@ -385,7 +392,7 @@ class EdgeServer:
         await self.health.enter_graceful_shutdown()
         if self.local is not None:
             self.local.stop_accepting()
-        await self.batcher.close()
+        await self.batcher.close(timeout_s=grace)
         await server.stop(grace)
         if self.local is not None:
             await self.local.close()

@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-s",
         type=NON_NEGATIVE,
         default=_DEFAULT_SERVER.grace_s,
-        help="on shutdown, time in-flight work may take (s)",
+        help="on shutdown, time the batches in flight may take, and then the streams' last answers (s); "
+        "requests that no batch took by then get UNAVAILABLE",
     )
     p.add_argument(
         "--keepalive-s",

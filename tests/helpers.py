@@ -74,6 +74,24 @@ class EchoPolicy(PolicyBackend):
         )
 
 
+class GatedPolicy(EchoPolicy):
+    """The echo policy whose forward passes wait for :attr:`gate` (30 s at most): a model that
+    hangs until the test lets it go. :attr:`entered` is set once a forward pass waits."""
+
+    def __init__(self, obs_dim: int, act_dim: int) -> None:
+        super().__init__(obs_dim, act_dim)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def infer(self, obs: np.ndarray) -> PolicyResult:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().infer(obs)
+
+    def warmup(self, rows: int = 8) -> None:
+        """None: a server's start would wait for the gate."""
+
+
 class Link:
     """A TCP link to ``127.0.0.1:target_port`` that can go silent or be cut.
 

@@ -19,7 +19,7 @@ from edgerl.edge_server.batcher import (
     QueueFullError,
     percentiles,
 )
-from tests.helpers import EchoPolicy, run
+from tests.helpers import EchoPolicy, GatedPolicy, run
 
 
 def _obs(rows: int, value: float, dim: int = 4) -> np.ndarray:
@@ -174,6 +174,31 @@ def test_close_ends_when_a_stream_that_ended_takes_the_last_queued_request_back(
         assert queued.cancelled() and b.stats.dropped_rows == 1
 
     run(main())
+
+
+def test_a_close_with_a_timeout_refuses_the_queued_and_leaves_a_hung_batch_to_its_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> None:
+        policy = GatedPolicy(4, 2)
+        b = DynamicBatcher(policy, max_batch_size=1, max_delay_us=0, max_queue_rows=8)
+        b.start()
+        (thread,) = b._threads
+        hung = b.submit(_obs(1, 1.0))
+        queued = b.submit(_obs(1, 2.0))
+        await asyncio.get_running_loop().run_in_executor(None, policy.entered.wait, 10)
+        await asyncio.wait_for(b.close(timeout_s=0.2), 10)  # back while the forward pass hangs
+        assert not policy.gate.is_set() and thread.is_alive() and not hung.done()
+        with pytest.raises(BatcherClosedError, match="the server stopped before this request's turn"):
+            queued.result()
+        policy.gate.set()  # the model comes back: its batch is answered, and its thread ends
+        assert (await asyncio.wait_for(hung, 10)).actions.tolist() == [[1.0, 1.0]]
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
+        assert not thread.is_alive() and policy.batch_sizes == [1]  # the queued one never ran
+
+    with caplog.at_level("WARNING", logger="edgerl.edge_server.batcher"):
+        run(main())
+    assert "1 batch(es) still running and 1 request(s) queued after 0.2 s" in caplog.text
 
 
 class _ShortOnce(EchoPolicy):

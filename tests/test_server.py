@@ -40,6 +40,7 @@ from edgerl.trainer.feed import weights_request
 from tests.helpers import (
     FAULT,
     EchoPolicy,
+    GatedPolicy,
     Link,
     act_once,
     inject_fault,
@@ -1338,6 +1339,33 @@ def test_graceful_shutdown_finishes_in_flight_and_refuses_new_work() -> None:
             with pytest.raises(errors.ServerUnavailableError):
                 await client.act(np.ones((1, OBS)), timeout_s=2)
             await stopping
+
+    run(main())
+
+
+def test_a_stop_whose_forward_pass_hangs_ends_after_its_grace() -> None:
+    """A forward pass that hangs (a wedged engine, a device lost) held the server's stop for good,
+    and a SIGTERM'd server with it. Now after ``grace_s`` the request no batch took gets
+    UNAVAILABLE, the hung batch's stream is cancelled, and the server is down while that forward
+    pass still waits."""
+
+    async def main() -> None:
+        policy = GatedPolicy(OBS, ACT)
+        server = EdgeServer(policy, ServerConfig(port=0, max_delay_us=0, max_batch_size=4, grace_s=0.3))
+        await server.start()
+        async with EdgeClient(f"127.0.0.1:{server.port}") as client:
+            hung, queued = await _healthy_stream(client, "hung"), await _healthy_stream(client, "queued")
+            await hung.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+            assert await asyncio.get_running_loop().run_in_executor(None, policy.entered.wait, 10)
+            await queued.send([0, 1, 2, 3], np.ones((4, OBS)), np.zeros(4), [False] * 4, [False] * 4)
+            assert await waited(lambda: server.batcher.queued_rows == 4, 10)  # behind the hung batch
+            await asyncio.wait_for(server.stop(), 10)
+            assert not policy.gate.is_set()  # stopped while the forward pass hangs
+            with pytest.raises(errors.ServerUnavailableError, match="stopped before this request's turn"):
+                await queued.recv()
+            with pytest.raises(errors.EdgeRLError):  # its stream ended unanswered
+                await hung.recv()
+        policy.gate.set()  # its inference thread ends
 
     run(main())
 
