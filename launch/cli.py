@@ -734,7 +734,8 @@ def _train(a: argparse.Namespace) -> int:
         cfg,
         resume=a.resume,
         log_level=a.log_level,
-        metrics=(a.metrics_host, a.metrics_port) if a.metrics_port is not None else None,
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
     )
     return _report(summary, a.json)
 

@@ -270,13 +270,13 @@ def run_training(
     resume: bool = False,
     progress: bool = True,
     log_level: str = "WARNING",
-    metrics: tuple[str, int] | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "",
 ) -> dict[str, Any]:
     """Run one training job; returns its summary (also written to ``summary.json``).
 
-    ``metrics``: (host, port) where the server also answers ``GET /metrics``, its counters and the
-    learner's (see edgerl.edge_server.metrics); an empty host is the server's, loopback; port 0
-    picks a free one, which the run prints. None: no metrics."""
+    ``metrics_port`` and ``metrics_host`` are the server's (:class:`ServerConfig`): where it also
+    answers ``GET /metrics``, its counters and the learner's; the run prints where."""
     import torch
 
     from edgerl.sim.envs import env_spec
@@ -320,7 +320,6 @@ def run_training(
     # a group's step in one forward pass however many envs it holds (past the default batch, its
     # worker would split it in messages of 256 rows, each a forward pass of its own)
     rows = max(ServerConfig.max_batch_size, largest_request(cfg.envs, cfg.workers, cfg.fleet_groups))
-    metrics_host, metrics_port = metrics or ("", None)
     server_cfg = ServerConfig(
         port=0, max_batch_size=rows, learner=learner, metrics_port=metrics_port, metrics_host=metrics_host
     )

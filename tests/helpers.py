@@ -75,12 +75,16 @@ class EchoPolicy(PolicyBackend):
 
 
 class GatedPolicy(EchoPolicy):
-    """The echo policy whose forward passes wait for :attr:`gate` (30 s at most): a model that
-    hangs until the test lets it go. :attr:`entered` is set once a forward pass waits."""
+    """The echo policy whose forward passes wait while :attr:`gate` is clear (30 s at most): a
+    model that hangs, or a server that stalls (its host paused, a model loading), until the test
+    lets it go. The gate starts clear unless ``open``; :attr:`entered` is set once a forward pass
+    has come to it."""
 
-    def __init__(self, obs_dim: int, act_dim: int) -> None:
+    def __init__(self, obs_dim: int, act_dim: int, *, open: bool = False) -> None:
         super().__init__(obs_dim, act_dim)
         self.gate = threading.Event()
+        if open:
+            self.gate.set()
         self.entered = threading.Event()
 
     def infer(self, obs: np.ndarray) -> PolicyResult:
@@ -89,7 +93,9 @@ class GatedPolicy(EchoPolicy):
         return super().infer(obs)
 
     def warmup(self, rows: int = 8) -> None:
-        """None: a server's start would wait for the gate."""
+        """Through an open gate; none at a closed one, where a server's start would wait for it."""
+        if self.gate.is_set():
+            super().warmup(rows)
 
 
 class Link:

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ import grpc
 import numpy as np
 import pytest
 
-from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.server import EdgeServer, ServerConfig
 from edgerl.edge_server.transitions import StreamHandle, TransitionConfig, TransitionStore
 from edgerl.proto import frames
@@ -34,6 +32,7 @@ from edgerl.robot_client.sim_worker import ENDING_GRACE_S, SimWorker, SimWorkerC
 from edgerl.trainer.segments import EpisodeTracker, assemble
 from tests.helpers import (
     EchoPolicy,
+    GatedPolicy,
     ServerThread,
     Spawned,
     first_spawn_runs_on,
@@ -334,21 +333,6 @@ def _assert_no_step_lost(dropped: int, segments: list[pb.Segment], numbers: dict
         assert len(set(sent)) >= 100 // 4
 
 
-class _Stalling(EchoPolicy):
-    """An :class:`EchoPolicy` of 4 obs and 1 action dim whose forward passes wait while ``going``
-    is clear (at most 10 s): a server that stalls (its host paused, a model loading), its
-    connections open."""
-
-    def __init__(self) -> None:
-        super().__init__(4, 1)
-        self.going = threading.Event()
-        self.going.set()
-
-    def infer(self, obs: np.ndarray) -> PolicyResult:
-        self.going.wait(10.0)
-        return super().infer(obs)
-
-
 @pytest.mark.parametrize(
     ("transport", "failure"),
     [(t, "silent") for t in BREAKS if t != "local-socket"] + [(t, "stall") for t in BREAKS],
@@ -364,7 +348,7 @@ def test_a_sim_worker_whose_answers_are_overdue_opens_a_new_stream_and_loses_no_
     steps on as soon as an answer comes in time; the server loses no step."""
     timeout_s = 0.5
     numbers = request_numbers_taken(monkeypatch)
-    backend = _Stalling()
+    backend = GatedPolicy(4, 1, open=True)  # a server that stalls while its gate is clear
     path = str(tmp_path / "act.sock") if transport == "local-socket" else ""
     learner = TransitionConfig(segment_steps=4)
     with ServerThread(backend, learner=learner, local_socket=path) as server, server.link() as link:
@@ -374,9 +358,9 @@ def test_a_sim_worker_whose_answers_are_overdue_opens_a_new_stream_and_loses_no_
             if failure == "silent":
                 server.in_loop(link.go_silent)  # new connections go through
             else:
-                backend.going.clear()
+                backend.gate.clear()
                 time.sleep(3 * timeout_s)
-                backend.going.set()
+                backend.gate.set()
             assert steps_on(worker, 100)
             dropped, segments = server.lost_and_segments()
     assert "error" not in result, result
