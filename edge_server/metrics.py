@@ -16,7 +16,9 @@ since start, whose rates give the mean over any interval and add up across
 servers. The learner's counters appear only where the server serves the
 Learner service.
 ``edgerl_server_info`` carries the server's version, env and backend as
-labels.
+labels. ``edgerl train`` answers its scrapes in its own process: this
+exposition of its server's, then the trainer's figures
+(:mod:`edgerl.launch.train_metrics`).
 
 The endpoint is plain HTTP (on loopback by default),
 without TLS or tokens: counters only, no observations or weights. One

@@ -658,7 +658,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --run-dir from its last checkpoint, with its own settings (its "
         "config.json; options given again win, e.g. a larger --steps)",
     )
-    add_metrics_options(p, _SERVER_COUNTERS + ", the learner's among them", host=_LOOPBACK_WORDS)
+    add_metrics_options(
+        p,
+        _SERVER_COUNTERS + ", the learner's among them, then the trainer's (edgerl_train_*: its "
+        "counters and its last update's scalars, as in metrics.jsonl)",
+        host=_LOOPBACK_WORDS,
+    )
     add_json_option(p, "also write the summary as JSON")
     _add_common(p)
     return parser

@@ -10,6 +10,7 @@ A resumed run starts from its own ``config.json`` instead of the first two.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 import time
 import tomllib
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
 )
 from edgerl.launch.progress import advance, step_bar
+from edgerl.launch.train_metrics import TrainerMetrics
 from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -264,6 +266,31 @@ def _resume_hint(run_dir: Path) -> str:
     return f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
 
 
+@contextlib.contextmanager
+def _serving_metrics(
+    server: ServerProcess, host: str, port: int | None, info: Mapping[str, str]
+) -> Iterator[TrainerMetrics | None]:
+    """``GET /metrics`` of a run on ``host:port`` (None: no endpoint): the server's counters,
+    fetched from ``server``'s own endpoint on loopback, then the trainer's; the run says where.
+
+    Raises:
+        MetricsBindError: the port is in use, or ``host`` is not an address of this machine.
+    """
+    from edgerl.edge_server.metrics import MetricsServer, MetricsThread
+
+    if port is None:
+        yield None
+        return
+    figures = TrainerMetrics(server.metrics_url, info)
+    thread = MetricsThread(MetricsServer(figures.render, host, port, "--metrics-host"))
+    thread.start()
+    print(f"edgerl: metrics on {thread.server.url}", file=sys.stderr, flush=True)
+    try:
+        yield figures
+    finally:
+        thread.close()
+
+
 def run_training(
     cfg: RunConfig,
     *,
@@ -275,8 +302,9 @@ def run_training(
 ) -> dict[str, Any]:
     """Run one training job; returns its summary (also written to ``summary.json``).
 
-    ``metrics_port`` and ``metrics_host`` are the server's (:class:`ServerConfig`): where it also
-    answers ``GET /metrics``, its counters and the learner's; the run prints where."""
+    With ``metrics_port`` (0: a free one) the run answers ``GET /metrics`` on that port of
+    ``metrics_host`` (default: the server's host, loopback): its server's counters and the
+    learner's, then the trainer's (:mod:`edgerl.launch.train_metrics`); it prints where."""
     import torch
 
     from edgerl.sim.envs import env_spec
@@ -320,18 +348,22 @@ def run_training(
     # a group's step in one forward pass however many envs it holds (past the default batch, its
     # worker would split it in messages of 256 rows, each a forward pass of its own)
     rows = max(ServerConfig.max_batch_size, largest_request(cfg.envs, cfg.workers, cfg.fleet_groups))
-    server_cfg = ServerConfig(
-        port=0, max_batch_size=rows, learner=learner, metrics_port=metrics_port, metrics_host=metrics_host
-    )
-    with ServerProcess(policy_spec, server_cfg, log_level=log_level) as server:
+    # the server's own metrics endpoint on loopback, for the run's to fetch when scraped
+    served_metrics = None if metrics_port is None else 0
+    server_cfg = ServerConfig(port=0, max_batch_size=rows, learner=learner, metrics_port=served_metrics)
+    run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
+    metrics_info = {"env": cfg.env, "policy": cfg.policy, "mode": "sync" if cfg.sync else "async"}
+    with (
+        ServerProcess(policy_spec, server_cfg, log_level=log_level) as server,
+        _serving_metrics(server, metrics_host or server_cfg.host, metrics_port, metrics_info) as figures,
+    ):
         # the run folder once the server is up: a run that could not start leaves none behind
         run_dir.mkdir(parents=True, exist_ok=True)
         with writing(run_dir / "config.json"):
             (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
-        if server.metrics_url:
-            print(f"edgerl: metrics on {server.metrics_url}", file=sys.stderr, flush=True)
-        run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
         trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume, run_info=run_info)
+        if figures is not None:
+            figures.begin(trainer.state)
         worker_cfg = SimWorkerConfig(
             server=server.address,
             env_name=cfg.env,
@@ -351,6 +383,8 @@ def run_training(
             bar = step_bar(f"train {cfg.env}", cfg.steps, start_steps, disable=not progress)
 
             def on_update(scalars: dict[str, float]) -> None:
+                if figures is not None:
+                    figures.on_update(trainer.state, scalars)
                 fleet.poll_episodes()
                 fleet.check()
                 advance(bar, trainer.state.env_steps)

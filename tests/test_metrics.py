@@ -28,10 +28,12 @@ from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
 from edgerl.launch.cli import main as edgerl_main
 from edgerl.launch.processes import PolicySpec, ServerProcess
+from edgerl.launch.train_metrics import TrainerMetrics, scalar_name
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.client import EdgeClient
 from edgerl.sim.envs import env_spec
+from edgerl.trainer.trainer import TrainerState
 from tests.helpers import EDGERL, EchoPolicy, ServerThread, act_once, free_port, run, running_server, serving
 
 STATS_FIELDS = [f.name for f in pb.StatsResponse.DESCRIPTOR.fields]
@@ -394,7 +396,7 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
     command = [*EDGERL, "train", "--envs", "4", "--segment-steps", "16", "--steps", "4000", "--run-dir",
                str(tmp_path / "run"), "--metrics-port", str(port), "--json", str(out)]  # fmt: skip
     with err.open("w") as stderr, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr) as proc:
-        got = scrape_until(url, proc, lambda got: got["edgerl_weight_publishes_total", ""] >= 2)
+        got = scrape_until(url, proc, lambda got: got.get(("edgerl_train_updates_total", ""), 0) >= 2)
         assert proc.wait(timeout=600) == 0
     summary = json.loads(out.read_text())
     assert f"edgerl: metrics on {url}" in err.read_text().splitlines()
@@ -405,6 +407,81 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
     assert got["edgerl_segments_acked_total", ""] >= 4 * publishes
     with pytest.raises(OSError):
         scrape(url)
+    # the trainer's figures are those of one update: its line in metrics.jsonl
+    updates = int(got["edgerl_train_updates_total", ""])
+    assert 2 <= updates <= summary["updates"] and updates <= publishes + 1  # the scrape's two parts
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    logged = json.loads(lines[updates - 1])
+    assert got["edgerl_train_env_steps_total", ""] == logged["global_step"] == 64 * updates
+    assert logged["time"] <= got["edgerl_train_last_update_timestamp_seconds", ""] <= logged["time"] + 5
+    shown = {key: value for key, value in logged.items() if key not in ("global_step", "time")}
+    assert {"losses/approx_kl", "staleness/lag_mean", "charts/policy_version"} <= shown.keys()
+    for key, value in shown.items():
+        name = scalar_name(key)
+        if key.startswith("server/"):
+            assert (name, "") not in got  # the server's families carry them
+        elif value is None:  # NaN in the file is null
+            assert math.isnan(got[name, ""]), key
+        else:
+            assert got[name, ""] == value, key
+
+
+def test_a_training_runs_figures_follow_its_servers_and_its_last_update() -> None:
+    info = {"env": "InvertedPendulum-v5", "policy": "mlp-small", "mode": "async"}
+    with ServerThread(EchoPolicy(obs_dim=4, act_dim=1), metrics_port=free_port()) as server:
+        assert server.server is not None
+        server_url = server.server.metrics_url
+        figures = TrainerMetrics(server_url, info)
+        endpoint = metrics.MetricsThread(metrics.MetricsServer(figures.render, "127.0.0.1", 0))
+        endpoint.start()
+        try:
+            status, _, body = scrape(endpoint.server.url)
+            assert status == 200
+            got = samples(body)
+            assert got["edgerl_requests_total", ""] == 0
+            (served,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_server_info"]
+            assert served.samples[0].labels["backend"] == "echo"  # the server's exposition, then the run's
+            (run_info,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_train_info"]
+            assert run_info.samples[0].labels == info
+            assert not any(name.startswith("edgerl_train_") for name, _ in got if name != "edgerl_train_info")
+
+            # a resumed run: its counters first appear at its checkpoint's values, not at 0
+            state = TrainerState(version=2, updates=2, env_steps=128, masked_stale=5, masked_fallback=1,
+                                 masked_autoreset=2, wall_s=9.5)  # fmt: skip
+            figures.begin(state)
+            got = samples(scrape(endpoint.server.url)[2])
+            assert got["edgerl_train_updates_total", ""] == 2
+            assert got["edgerl_train_env_steps_total", ""] == 128
+            assert ("edgerl_train_last_update_timestamp_seconds", "") not in got  # no update yet
+            assert ("edgerl_train_losses_approx_kl", "") not in got
+
+            state.version, state.updates, state.env_steps = 3, 3, 192
+            scalars = {"losses/approx_kl": 0.0123, "losses/explained_variance": math.nan,
+                       "charts/episodic_return": 41.5, "server/transitions_pending": 7.0}  # fmt: skip
+            before = time.time()
+            figures.on_update(state, scalars)
+            state.updates = 4  # the trainer's next update, not yet handed over
+            got = samples(scrape(endpoint.server.url)[2])
+            assert got["edgerl_train_updates_total", ""] == 3
+            assert got["edgerl_train_env_steps_total", ""] == 192
+            assert got["edgerl_train_masked_stale_total", ""] == 5
+            assert got["edgerl_train_masked_fallback_total", ""] == 1
+            assert got["edgerl_train_masked_autoreset_total", ""] == 2
+            assert got["edgerl_train_losses_approx_kl", ""] == 0.0123
+            assert math.isnan(got["edgerl_train_losses_explained_variance", ""])
+            assert got["edgerl_train_charts_episodic_return", ""] == 41.5
+            assert not any(name.startswith("edgerl_train_server") for name, _ in got)  # the server's own
+            assert before <= got["edgerl_train_last_update_timestamp_seconds", ""] <= time.time()
+
+            server.kill()  # the run's server is gone: the scrape says so, the endpoint serves on
+            status, _, body = scrape(endpoint.server.url)
+            assert status == 500
+            assert f"the run's server did not answer at {server_url}" in body
+            server.restart()  # on the same metrics port
+            got = samples(scrape(endpoint.server.url)[2])
+            assert (got["edgerl_requests_total", ""], got["edgerl_train_updates_total", ""]) == (0, 3)
+        finally:
+            endpoint.close()
 
 
 def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:

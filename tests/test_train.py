@@ -488,7 +488,7 @@ def test_a_run_that_cannot_start_writes_no_run_folder(tmp_path: Path) -> None:
     cases = [
         (["--env", "NoSuchEnv-v0"], 2, "env 'NoSuchEnv-v0'"),
         (["--resume", "--run-dir", "runs/never-trained"], 2, "--resume: no run in runs/never-trained"),
-        # its server could not start
+        # its metrics port could not be bound
         (
             ["--metrics-port", str(port)],
             1,
