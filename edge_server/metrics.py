@@ -1,7 +1,7 @@
 """The edge server's counters for Prometheus: ``GET /metrics`` over HTTP.
 
-With ``ServerConfig.metrics_port`` (``edgerl serve``, ``train`` or ``rollout
---metrics-port PORT``) the server also answers ``GET /metrics`` on that port
+With ``ServerConfig.metrics_port`` (``edgerl serve --metrics-port PORT``)
+the server also answers ``GET /metrics`` on that port
 of ``metrics_host`` (its gRPC host by default), in
 Prometheus's text format (version 0.0.4), for Prometheus, Grafana Agent,
 the OpenTelemetry collector or ``curl`` to scrape. The values are those of
@@ -16,9 +16,9 @@ since start, whose rates give the mean over any interval and add up across
 servers. The learner's counters appear only where the server serves the
 Learner service.
 ``edgerl_server_info`` carries the server's version, env and backend as
-labels. ``edgerl train`` answers its scrapes in its own process: this
-exposition of its server's, then the trainer's figures
-(:mod:`edgerl.launch.train_metrics`).
+labels. ``edgerl train`` and ``rollout --metrics-port PORT`` answer their
+scrapes in their own process: this exposition, fetched from their server's
+endpoint on loopback, then their own figures (:mod:`edgerl.launch.run_metrics`).
 
 The endpoint is plain HTTP (on loopback by default),
 without TLS or tokens: counters only, no observations or weights. One

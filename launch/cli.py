@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edgerl.edge_server.server import BindError, ServerConfig
-from edgerl.launch import jsonout
+from edgerl.launch import jsonout, run_metrics
 from edgerl.launch import robot as robot_cli
 from edgerl.launch.argtypes import (
     COUNT,
@@ -64,6 +64,7 @@ from edgerl.launch.processes import (
     server_stats,
 )
 from edgerl.launch.rollout import PLACE_RULE, PLACE_TRIAL
+from edgerl.launch.run_metrics import FleetFigures
 from edgerl.launch.train import DEMO_ENV, RunConfig, load_config
 from edgerl.models import POLICY_PRESETS
 from edgerl.proto.keepalive import MAX_KEEPALIVE_S
@@ -92,6 +93,9 @@ _FMT = _Formatter
 _DEFAULT_SERVER = ServerConfig()
 _SERVER_COUNTERS = "the server's counters (those of the Stats RPC)"
 _LOOPBACK_WORDS = f"{_DEFAULT_SERVER.host}, as the server's gRPC port"
+_SIM_FIGURES = (
+    "the sim workers' figures (edgerl_sim_*: each worker's env steps, workers running, episodes, mean return)"
+)
 #: One core for the edge server, the rest for env stepping (measured best on 2 cores:
 #: a second worker process costs more in contention than it adds in stepping).
 DEFAULT_WORKERS = max(1, (os.cpu_count() or 2) - 1)
@@ -405,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop this long after the first env step (0: never); until the server answers, the "
         "workers wait for it, retrying with backoff",
     )
+    add_metrics_options(p, _SIM_FIGURES, host=_DEFAULT_SERVER.host)
     _add_common(p)
 
     p = sub.add_parser(
@@ -441,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how the workers reach the server: its gRPC port, or its local Act socket (no gRPC; "
         "faster on one machine, see edgerl bench throughput's async_local)",
     )
-    add_metrics_options(p, _SERVER_COUNTERS, host=_LOOPBACK_WORDS)
+    add_metrics_options(p, f"{_SERVER_COUNTERS}, then {_SIM_FIGURES}", host=_LOOPBACK_WORDS)
     add_json_option(p, "also write the summary as JSON")
     _add_common(p)
 
@@ -868,13 +873,32 @@ def _sim(a: argparse.Namespace) -> int:
 
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
-    with _fleet(a, a.server, a.local_socket) as fleet:
-        # The server is the user's to start: its workers retry until it is up, or fail after
-        # give_up_after_s without a working stream. No limit of the command's own.
-        summary = watch(
-            fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", start_timeout_s=None
-        )
+    figures = FleetFigures(_fleet_info(a))
+    metrics_host = a.metrics_host or _DEFAULT_SERVER.host
+    # the metrics port first: one that is taken ends the command before a worker starts
+    with run_metrics.serving(metrics_host, a.metrics_port, "", figures.exposition, _say):
+        with _fleet(a, a.server, a.local_socket) as fleet:
+            figures.attach(fleet)
+            # The server is the user's to start: its workers retry until it is up, or fail after
+            # give_up_after_s without a working stream. No limit of the command's own.
+            summary = watch(
+                fleet,
+                seconds=a.seconds,
+                steps=a.steps,
+                desc=f"{a.env} x{a.envs}",
+                start_timeout_s=None,
+                look=figures.look,
+            )
     return _report(summary, None)
+
+
+def _say(line: str) -> None:
+    print(f"edgerl: {line}", flush=True)
+
+
+def _fleet_info(a: argparse.Namespace) -> dict[str, str]:
+    """The labels of ``edgerl_sim_info``."""
+    return {"env": a.env, "envs": str(a.envs), "workers": str(a.workers)}
 
 
 def _rollout(a: argparse.Namespace) -> int:
@@ -891,11 +915,7 @@ def _rollout(a: argparse.Namespace) -> int:
     if a.worker_cpus is not None:
         kept_cpus(a.worker_cpus, a.workers, "--worker-cpus")  # fails naming the option
     info = _served_options(a)
-
-    def say(line: str) -> None:
-        print(f"edgerl: {line}", flush=True)
-
-    measured, candidates = place(a, _groups(a), say)
+    measured, candidates = place(a, _groups(a), _say)
     policy, weights = _policy_of(a, info)
     # a folder for the local Act socket only: a gRPC rollout leaves nothing behind in /tmp
     local_dir = local_socket_folder("edgerl-rollout-") if a.transport == "local" else None
@@ -905,10 +925,11 @@ def _rollout(a: argparse.Namespace) -> int:
         max_batch_size=a.max_batch_size,
         max_delay_us=a.max_delay_us,
         local_socket=local,
-        metrics_port=a.metrics_port,
-        metrics_host=a.metrics_host,
+        # the server's own metrics endpoint on loopback, for the command's to fetch when scraped
+        metrics_port=None if a.metrics_port is None else 0,
     )
     server = ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a)))
+    figures = FleetFigures(_fleet_info(a))
     with local_dir or contextlib.nullcontext(), server:
         via = f"its local socket {local}" if local else "gRPC"
         print(
@@ -916,14 +937,20 @@ def _rollout(a: argparse.Namespace) -> int:
             f"{a.envs} envs of {a.env} over {via}",
             flush=True,
         )
-        if server.metrics_url:
-            print(f"edgerl: metrics on {server.metrics_url}", flush=True)
-        tried = try_placements(a, candidates, server.address, say)
-        before = server_stats(server.address) if candidates else None
-        with _fleet(a, server.address, local) as fleet:
-            summary = watch(
-                fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", check=server.check
-            )
+        metrics_host = a.metrics_host or cfg.host
+        with run_metrics.serving(metrics_host, a.metrics_port, server.metrics_url, figures.exposition, _say):
+            tried = try_placements(a, candidates, server.address, _say)
+            before = server_stats(server.address) if candidates else None
+            with _fleet(a, server.address, local) as fleet:
+                figures.attach(fleet)
+                summary = watch(
+                    fleet,
+                    seconds=a.seconds,
+                    steps=a.steps,
+                    desc=f"{a.env} x{a.envs}",
+                    check=server.check,
+                    look=figures.look,
+                )
         summary["placement"] = placement_summary(a, measured, tried)
         after = server_stats(server.address)
         # after a trial, what the run added (its largest batch stays the server's largest)

@@ -142,13 +142,15 @@ def watch(
     desc: str,
     start_timeout_s: float | None = 120.0,
     check: Callable[[], None] = lambda: None,
+    look: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Show progress until ``seconds`` pass, ``steps`` env steps are done, workers end, or Ctrl-C.
 
     Both count from the workers' first env steps, which may wait ``start_timeout_s`` (``None``:
     without limit) for the server: :meth:`WorkerFleet.wait_started`. ``check`` is called every
     half second beside the workers' own check, and raises to end the watch (the server's
-    process ended, for one).
+    process ended, for one); ``look`` each half second after the fleet's episodes were taken
+    (:meth:`~edgerl.launch.run_metrics.FleetFigures.look`).
 
     Returns:
         A summary: the env steps the workers made, the wall time watched (from when their first
@@ -166,6 +168,7 @@ def watch(
                 time.sleep(0.5)
                 now, done = time.perf_counter(), fleet.total_steps()
                 fleet.poll_episodes()
+                look()
                 recent = fleet.episodes.last_returns(20)
                 advance(bar, done)
                 bar.set_postfix(

@@ -10,7 +10,6 @@ A resumed run starts from its own ``config.json`` instead of the first two.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -19,14 +18,14 @@ import sys
 import time
 import tomllib
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgerl.edge_server.server import ServerConfig
 from edgerl.edge_server.transitions import TransitionConfig
-from edgerl.launch import jsonout
+from edgerl.launch import jsonout, run_metrics
 from edgerl.launch.processes import (
     LLM_PRESET,
     PolicySpec,
@@ -43,7 +42,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
 )
 from edgerl.launch.progress import advance, step_bar
-from edgerl.launch.train_metrics import TrainerMetrics
+from edgerl.launch.run_metrics import TrainerFigures
 from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -266,31 +265,6 @@ def _resume_hint(run_dir: Path) -> str:
     return f"; its last checkpoint is in {run_dir} (edgerl train --run-dir {run_dir} --resume goes on)"
 
 
-@contextlib.contextmanager
-def _serving_metrics(
-    server: ServerProcess, host: str, port: int | None, info: Mapping[str, str]
-) -> Iterator[TrainerMetrics | None]:
-    """``GET /metrics`` of a run on ``host:port`` (None: no endpoint): the server's counters,
-    fetched from ``server``'s own endpoint on loopback, then the trainer's; the run says where.
-
-    Raises:
-        MetricsBindError: the port is in use, or ``host`` is not an address of this machine.
-    """
-    from edgerl.edge_server.metrics import MetricsServer, MetricsThread
-
-    if port is None:
-        yield None
-        return
-    figures = TrainerMetrics(server.metrics_url, info)
-    thread = MetricsThread(MetricsServer(figures.render, host, port, "--metrics-host"))
-    thread.start()
-    print(f"edgerl: metrics on {thread.server.url}", file=sys.stderr, flush=True)
-    try:
-        yield figures
-    finally:
-        thread.close()
-
-
 def run_training(
     cfg: RunConfig,
     *,
@@ -304,7 +278,7 @@ def run_training(
 
     With ``metrics_port`` (0: a free one) the run answers ``GET /metrics`` on that port of
     ``metrics_host`` (default: the server's host, loopback): its server's counters and the
-    learner's, then the trainer's (:mod:`edgerl.launch.train_metrics`); it prints where."""
+    learner's, then the trainer's (:mod:`edgerl.launch.run_metrics`); it prints where."""
     import torch
 
     from edgerl.sim.envs import env_spec
@@ -353,17 +327,23 @@ def run_training(
     server_cfg = ServerConfig(port=0, max_batch_size=rows, learner=learner, metrics_port=served_metrics)
     run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
     metrics_info = {"env": cfg.env, "policy": cfg.policy, "mode": "sync" if cfg.sync else "async"}
+    figures = TrainerFigures(metrics_info)
     with (
         ServerProcess(policy_spec, server_cfg, log_level=log_level) as server,
-        _serving_metrics(server, metrics_host or server_cfg.host, metrics_port, metrics_info) as figures,
+        run_metrics.serving(
+            metrics_host or server_cfg.host,
+            metrics_port,
+            server.metrics_url,
+            figures.exposition,
+            lambda line: print(f"edgerl: {line}", file=sys.stderr, flush=True),
+        ),
     ):
         # the run folder once the server is up: a run that could not start leaves none behind
         run_dir.mkdir(parents=True, exist_ok=True)
         with writing(run_dir / "config.json"):
             (run_dir / "config.json").write_text(json.dumps(_json_ready(cfg), indent=2) + "\n")
         trainer = Trainer(cfg.ppo, net, server.address, run_dir, resume=resume, run_info=run_info)
-        if figures is not None:
-            figures.begin(trainer.state)
+        figures.begin(trainer.state)
         worker_cfg = SimWorkerConfig(
             server=server.address,
             env_name=cfg.env,
@@ -383,8 +363,7 @@ def run_training(
             bar = step_bar(f"train {cfg.env}", cfg.steps, start_steps, disable=not progress)
 
             def on_update(scalars: dict[str, float]) -> None:
-                if figures is not None:
-                    figures.on_update(trainer.state, scalars)
+                figures.on_update(trainer.state, scalars)
                 fleet.poll_episodes()
                 fleet.check()
                 advance(bar, trainer.state.env_steps)

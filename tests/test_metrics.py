@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +26,27 @@ from prometheus_client.samples import Sample
 from edgerl.edge_server import metrics
 from edgerl.edge_server.policy import TorchPolicyBackend
 from edgerl.edge_server.server import BindError, EdgeServer, ServerConfig, package_version
+from edgerl.launch import run_metrics
 from edgerl.launch.cli import main as edgerl_main
-from edgerl.launch.processes import PolicySpec, ServerProcess
-from edgerl.launch.train_metrics import TrainerMetrics, scalar_name
+from edgerl.launch.processes import PolicySpec, ServerProcess, WorkerFleet
+from edgerl.launch.run_metrics import FleetFigures, TrainerFigures, scalar_name
 from edgerl.models import build_policy
 from edgerl.proto.v1 import edge_pb2 as pb
 from edgerl.robot_client.client import EdgeClient
+from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.sim.envs import env_spec
 from edgerl.trainer.trainer import TrainerState
-from tests.helpers import EDGERL, EchoPolicy, ServerThread, act_once, free_port, run, running_server, serving
+from tests.helpers import (
+    EDGERL,
+    EchoPolicy,
+    ServerThread,
+    act_once,
+    free_port,
+    run,
+    running_server,
+    serving,
+    wait_until,
+)
 
 STATS_FIELDS = [f.name for f in pb.StatsResponse.DESCRIPTOR.fields]
 HALF_CHEETAH = env_spec("HalfCheetah-v5")
@@ -324,7 +336,9 @@ def test_the_metrics_bind_a_host_of_their_own_where_asked() -> None:
         ServerConfig(metrics_host="0.0.0.0")
 
 
-@pytest.mark.parametrize("command", ["serve", "rollout", "train", "robot --server 127.0.0.1:1"])
+@pytest.mark.parametrize(
+    "command", ["serve", "rollout", "train", "robot --server 127.0.0.1:1", "sim --server 127.0.0.1:1"]
+)
 def test_metrics_host_without_a_metrics_port_is_refused(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -379,15 +393,77 @@ def test_edgerl_rollout_serves_its_servers_counters_while_it_runs(tmp_path: Path
         line = proc.stdout.readline().strip()
         assert re.fullmatch(r"edgerl: metrics on http://127\.0\.0\.1:\d+/metrics", line), line
         url = line.split()[-1]
-        got = scrape_until(url, proc, lambda got: got["edgerl_requests_total", ""] >= 50)
+        got = scrape_until(
+            url,
+            proc,
+            lambda got: got["edgerl_requests_total", ""] >= 50 and ("edgerl_sim_episodes_total", "") in got,
+        )
         proc.stdout.read()
         assert proc.wait(timeout=120) == 0
-    served = json.loads(out.read_text())["server"]
+    summary = json.loads(out.read_text())
+    served = summary["server"]
     assert 50 <= got["edgerl_requests_total", ""] < served["requests"]  # live, then the run went on
     assert got["edgerl_failed_requests_total", ""] == served["failed_requests"] == 0
     assert ("edgerl_transitions_total", "") not in got  # a rollout does not learn
+    # the sim workers' figures after the server's: one worker, its steps live
+    assert got["edgerl_sim_workers_running", ""] == 1
+    assert 0 < got["edgerl_sim_env_steps_total", ""] < summary["env_steps"]
+    assert got["edgerl_sim_episodes_total", ""] <= summary["episodes"]
     with pytest.raises(OSError):  # the run ended: its server's port with it
         scrape(url)
+
+
+def test_edgerl_sim_serves_its_workers_figures_while_it_runs() -> None:
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=1), spec.act_low, spec.act_high)
+    with ServerThread(backend, env_name="InvertedPendulum-v5") as server:
+        command = [*EDGERL, "sim", "--server", server.address, "--env", "InvertedPendulum-v5", "--envs", "4",
+                   "--workers", "2", "--seconds", "6", "--metrics-port", "0"]  # fmt: skip
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().strip()
+            assert re.fullmatch(r"edgerl: metrics on http://127\.0\.0\.1:\d+/metrics", line), line
+            url = line.split()[-1]
+            got = scrape_until(url, proc, lambda got: got.get(("edgerl_sim_episodes_total", ""), 0) >= 1)
+            body = scrape(url)[2]
+            printed = proc.stdout.read()
+            assert proc.wait(timeout=120) == 0
+        served = server.in_loop(lambda: server.server.servicer.stats() if server.server else None)
+    assert not any(name.startswith("edgerl_requests") for name, _ in got)  # its server is not its own
+    assert got["edgerl_sim_workers_running", ""] == 2
+    steps = labelled(body, "edgerl_sim_env_steps_total")
+    assert set(steps) == {(("worker", "0"),), (("worker", "1"),)} and min(steps.values()) > 0
+    (info,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_sim_info"]
+    assert info.samples[0].labels == {"env": "InvertedPendulum-v5", "envs": "4", "workers": "2"}
+    summary = dict(
+        row.split(maxsplit=1) for row in printed.splitlines() if row.startswith(("env_steps", "episodes"))
+    )
+    assert sum(steps.values()) <= int(summary["env_steps"])  # scraped mid-run
+    assert got["edgerl_sim_episodes_total", ""] <= int(summary["episodes"])
+    assert isinstance(served, pb.StatsResponse) and served.rows >= int(summary["env_steps"])
+    with pytest.raises(OSError):  # the command ended: its metrics port with it
+        scrape(url)
+
+
+@pytest.mark.parametrize("command", ["sim --server 127.0.0.1:1 --envs 2", "rollout --envs 2 --seconds 5"])
+def test_a_taken_metrics_port_ends_sim_and_rollout_with_its_reason(command: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [*EDGERL, *command.split(), "--env", "InvertedPendulum-v5", "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        f"edgerl: error: could not bind the metrics port 127.0.0.1:{port}: the port is in use "
+        "(--metrics-port 0 picks a free one)"
+    )
+    assert "env_steps" not in out.stdout  # no run
 
 
 def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path) -> None:
@@ -426,30 +502,47 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
             assert got[name, ""] == value, key
 
 
+def labelled(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of family ``name`` in an exposition, by their labels (sorted pairs)."""
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name
+    }
+
+
+@contextlib.contextmanager
+def command_metrics(server_url: str, own: Callable[[], str]) -> Iterator[str]:
+    """A command's ``GET /metrics`` on a free loopback port for the block; yields its URL."""
+    said: list[str] = []
+    with run_metrics.serving("127.0.0.1", 0, server_url, own, said.append):
+        (line,) = said
+        assert line.startswith("metrics on http://127.0.0.1:")
+        yield line.split()[-1]
+
+
 def test_a_training_runs_figures_follow_its_servers_and_its_last_update() -> None:
     info = {"env": "InvertedPendulum-v5", "policy": "mlp-small", "mode": "async"}
+    figures = TrainerFigures(info)
     with ServerThread(EchoPolicy(obs_dim=4, act_dim=1), metrics_port=free_port()) as server:
         assert server.server is not None
         server_url = server.server.metrics_url
-        figures = TrainerMetrics(server_url, info)
-        endpoint = metrics.MetricsThread(metrics.MetricsServer(figures.render, "127.0.0.1", 0))
-        endpoint.start()
-        try:
-            status, _, body = scrape(endpoint.server.url)
+        with command_metrics(server_url, figures.exposition) as url:
+            status, _, body = scrape(url)
             assert status == 200
             got = samples(body)
             assert got["edgerl_requests_total", ""] == 0
             (served,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_server_info"]
             assert served.samples[0].labels["backend"] == "echo"  # the server's exposition, then the run's
-            (run_info,) = [f for f in text_string_to_metric_families(body) if f.name == "edgerl_train_info"]
-            assert run_info.samples[0].labels == info
+            assert labelled(body, "edgerl_train_info") == {tuple(sorted(info.items())): 1}
             assert not any(name.startswith("edgerl_train_") for name, _ in got if name != "edgerl_train_info")
 
             # a resumed run: its counters first appear at its checkpoint's values, not at 0
             state = TrainerState(version=2, updates=2, env_steps=128, masked_stale=5, masked_fallback=1,
                                  masked_autoreset=2, wall_s=9.5)  # fmt: skip
             figures.begin(state)
-            got = samples(scrape(endpoint.server.url)[2])
+            got = samples(scrape(url)[2])
             assert got["edgerl_train_updates_total", ""] == 2
             assert got["edgerl_train_env_steps_total", ""] == 128
             assert ("edgerl_train_last_update_timestamp_seconds", "") not in got  # no update yet
@@ -461,7 +554,7 @@ def test_a_training_runs_figures_follow_its_servers_and_its_last_update() -> Non
             before = time.time()
             figures.on_update(state, scalars)
             state.updates = 4  # the trainer's next update, not yet handed over
-            got = samples(scrape(endpoint.server.url)[2])
+            got = samples(scrape(url)[2])
             assert got["edgerl_train_updates_total", ""] == 3
             assert got["edgerl_train_env_steps_total", ""] == 192
             assert got["edgerl_train_masked_stale_total", ""] == 5
@@ -474,14 +567,48 @@ def test_a_training_runs_figures_follow_its_servers_and_its_last_update() -> Non
             assert before <= got["edgerl_train_last_update_timestamp_seconds", ""] <= time.time()
 
             server.kill()  # the run's server is gone: the scrape says so, the endpoint serves on
-            status, _, body = scrape(endpoint.server.url)
+            status, _, body = scrape(url)
             assert status == 500
-            assert f"the run's server did not answer at {server_url}" in body
+            assert f"the server did not answer at {server_url}" in body
             server.restart()  # on the same metrics port
-            got = samples(scrape(endpoint.server.url)[2])
+            got = samples(scrape(url)[2])
             assert (got["edgerl_requests_total", ""], got["edgerl_train_updates_total", ""]) == (0, 3)
-        finally:
-            endpoint.close()
+
+
+def test_a_fleets_figures_count_each_workers_steps_and_its_episodes() -> None:
+    info = {"env": "InvertedPendulum-v5", "envs": "4", "workers": "2"}
+    figures = FleetFigures(info)
+    with command_metrics("", figures.exposition) as url:  # no server of the command's own (edgerl sim)
+        body = scrape(url)[2]
+        assert [f.name for f in text_string_to_metric_families(body)] == ["edgerl_sim_info"]  # no fleet yet
+        spec = env_spec("InvertedPendulum-v5")
+        backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=1), spec.act_low, spec.act_high)
+        with ServerThread(backend, env_name="InvertedPendulum-v5") as server:
+            config = SimWorkerConfig(server=server.address, env_name="InvertedPendulum-v5", num_envs=4)
+            with WorkerFleet(config, 2) as fleet:
+                figures.attach(fleet)
+                steps = labelled(scrape(url)[2], "edgerl_sim_env_steps_total")
+                assert set(steps) == {(("worker", "0"),), (("worker", "1"),)}
+                assert ("edgerl_sim_workers_running", "") not in samples(scrape(url)[2])  # not looked at yet
+                fleet.wait_started()
+
+                def three_episodes() -> bool:
+                    fleet.poll_episodes()
+                    return fleet.episodes.count >= 3
+
+                wait_until(three_episodes, 60)
+                figures.look()
+                got = samples(body := scrape(url)[2])
+                steps = labelled(body, "edgerl_sim_env_steps_total")
+                last = fleet.episodes.last_returns(20)  # as looked at: stopping takes the last ones in
+                fleet.stop()
+                assert all(steps[("worker", str(i)),] > 0 for i in range(2))
+                assert sum(steps.values()) <= fleet.total_steps()  # live: the fleet went on after
+                assert got["edgerl_sim_workers_running", ""] == 2
+                assert got["edgerl_sim_episodes_total", ""] >= 3
+                assert got["edgerl_sim_return_last20", ""] == pytest.approx(sum(last) / len(last))
+                figures.look()  # the workers have stopped
+                assert samples(scrape(url)[2])["edgerl_sim_workers_running", ""] == 0
 
 
 def test_edgerl_serve_metrics_port_says_where_and_serves_prometheus() -> None:
