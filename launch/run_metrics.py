@@ -4,7 +4,10 @@ With ``--metrics-port PORT`` each answers, in its own process, with the counters
 started (``edgerl_*``, as ``edgerl serve`` gives them, fetched from that server's own endpoint on
 loopback when a scrape comes; ``sim`` starts none), followed by its own figures:
 
-- ``edgerl train``: the trainer's (``edgerl_train_*``, :class:`TrainerFigures`): counters of the
+- ``edgerl rollout``, ``sim`` and ``train`` (before the trainer's): the sim workers'
+  (``edgerl_sim_*``, :class:`FleetFigures`): the env steps of each worker process, the workers
+  running, the episodes finished and the mean return of the last 20.
+- ``edgerl train``, last: the trainer's (``edgerl_train_*``, :class:`TrainerFigures`): counters of the
   run since it began (a resumed run's earlier updates included): updates, env steps learned
   from, and the steps masked as stale, as fallback actions, and at autoresets; each scalar of
   the trainer's last update as a gauge, named after its key in ``metrics.jsonl`` and
@@ -16,9 +19,6 @@ loopback when a scrape comes; ``sim`` starts none), followed by its own figures:
   snapshot after each. Its counters appear once the trainer is built, at a resumed run's
   values: never at 0 first, which Prometheus would read as counters that rose by all the
   earlier run's at once.
-- ``edgerl rollout`` and ``sim``: the sim workers' (``edgerl_sim_*``, :class:`FleetFigures`): the
-  env steps of each worker process, the workers running, the episodes finished and the mean
-  return of the last 20.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
 )
 from edgerl.launch.progress import advance, step_bar
-from edgerl.launch.run_metrics import TrainerFigures
+from edgerl.launch.run_metrics import FleetFigures, TrainerFigures
 from edgerl.proto.settings import check_finite
 from edgerl.robot_client import errors
 from edgerl.robot_client.sim_worker import SimWorkerConfig
@@ -278,7 +278,8 @@ def run_training(
 
     With ``metrics_port`` (0: a free one) the run answers ``GET /metrics`` on that port of
     ``metrics_host`` (default: the server's host, loopback): its server's counters and the
-    learner's, then the trainer's (:mod:`edgerl.launch.run_metrics`); it prints where."""
+    learner's, then the sim workers' and the trainer's (:mod:`edgerl.launch.run_metrics`); it
+    prints where."""
     import torch
 
     from edgerl.sim.envs import env_spec
@@ -328,13 +329,14 @@ def run_training(
     run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
     metrics_info = {"env": cfg.env, "policy": cfg.policy, "mode": "sync" if cfg.sync else "async"}
     figures = TrainerFigures(metrics_info)
+    fleet_figures = FleetFigures({"env": cfg.env, "envs": str(cfg.envs), "workers": str(cfg.workers)})
     with (
         ServerProcess(policy_spec, server_cfg, log_level=log_level) as server,
         run_metrics.serving(
             metrics_host or server_cfg.host,
             metrics_port,
             server.metrics_url,
-            figures.exposition,
+            lambda: fleet_figures.exposition() + figures.exposition(),
             lambda line: print(f"edgerl: {line}", file=sys.stderr, flush=True),
         ),
     ):
@@ -356,6 +358,7 @@ def run_training(
         start_steps = trainer.state.env_steps
         stop = _StopFlag()
         with WorkerFleet(worker_cfg, cfg.workers, log_level=log_level) as fleet, on_stop_signals(stop.handle):
+            fleet_figures.attach(fleet)
             # Any worker, not every one: the first up may fill the server's window (admission
             # control) before the others connect; they step once the trainer takes a batch.
             fleet.wait_started(every=False, should_stop=lambda: stop.set)
@@ -365,6 +368,7 @@ def run_training(
             def on_update(scalars: dict[str, float]) -> None:
                 figures.on_update(trainer.state, scalars)
                 fleet.poll_episodes()
+                fleet_figures.look()
                 fleet.check()
                 advance(bar, trainer.state.env_steps)
                 recent = fleet.episodes.last_returns(20)

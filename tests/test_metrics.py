@@ -483,6 +483,8 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
     assert got["edgerl_segments_acked_total", ""] >= 4 * publishes
     with pytest.raises(OSError):
         scrape(url)
+    assert got["edgerl_sim_workers_running", ""] == 1  # the sim workers' figures
+    assert 0 < got["edgerl_sim_env_steps_total", ""] <= summary["worker_steps"][0]
     # the trainer's figures are those of one update: its line in metrics.jsonl
     updates = int(got["edgerl_train_updates_total", ""])
     assert 2 <= updates <= summary["updates"] and updates <= publishes + 1  # the scrape's two parts
