@@ -543,8 +543,15 @@ def test_a_worker_killed_at_any_point_leaves_its_fleet_nothing_held() -> None:
         stop, link = SharedFlag(), WorkerLink()
         proc = ctx.Process(target=_busy_worker, args=(link, stop), daemon=True)
         proc.start()
-        wait_until(lambda: link.steps.value > 100, timeout_s=60.0)  # noqa: B023 (this pass's link)
-        episodes = link.take_episodes()
+        episodes: list[tuple[float, int]] = []
+
+        def some_read(link: WorkerLink = link, episodes: list[tuple[float, int]] = episodes) -> bool:
+            # a queue's put returns before its feeder thread wrote to the pipe: a busy machine
+            # once killed a worker that had counted 100 steps before any episode had reached it
+            episodes.extend(link.take_episodes())
+            return bool(episodes) and link.steps.value > 100
+
+        wait_until(some_read, timeout_s=60.0)
         os.kill(proc.pid or 0, signal.SIGKILL)  # while the fleet reads its episodes
         proc.join()
         read: list[Any] = []
