@@ -873,7 +873,7 @@ def _sim(a: argparse.Namespace) -> int:
 
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
-    figures = FleetFigures(_fleet_info(a))
+    figures = FleetFigures(run_metrics.fleet_info(a.env, a.envs, a.workers))
     metrics_host = a.metrics_host or _DEFAULT_SERVER.host
     # the metrics port first: one that is taken ends the command before a worker starts
     with run_metrics.serving(metrics_host, a.metrics_port, "", figures.exposition, _say):
@@ -894,11 +894,6 @@ def _sim(a: argparse.Namespace) -> int:
 
 def _say(line: str) -> None:
     print(f"edgerl: {line}", flush=True)
-
-
-def _fleet_info(a: argparse.Namespace) -> dict[str, str]:
-    """The labels of ``edgerl_sim_info``."""
-    return {"env": a.env, "envs": str(a.envs), "workers": str(a.workers)}
 
 
 def _rollout(a: argparse.Namespace) -> int:
@@ -929,7 +924,7 @@ def _rollout(a: argparse.Namespace) -> int:
         metrics_port=None if a.metrics_port is None else 0,
     )
     server = ServerProcess(policy, cfg, log_level=a.log_level, cpus=other_cpus(_worker_cpus(a)))
-    figures = FleetFigures(_fleet_info(a))
+    figures = FleetFigures(run_metrics.fleet_info(a.env, a.envs, a.workers))
     with local_dir or contextlib.nullcontext(), server:
         via = f"its local socket {local}" if local else "gRPC"
         print(

@@ -218,6 +218,11 @@ def fleet_exposition(
     return _text(lines)
 
 
+def fleet_info(env: str, envs: int, workers: int) -> dict[str, str]:
+    """The labels of ``edgerl_sim_info``."""
+    return {"env": env, "envs": str(envs), "workers": str(workers)}
+
+
 class FleetFigures:
     """A fleet's figures: each worker's steps as they are when scraped (shared memory), the rest
     as its owner last looked (:meth:`look`, on the thread that polls the fleet's episodes). Before

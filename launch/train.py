@@ -329,7 +329,7 @@ def run_training(
     run_info = {"env": cfg.env, "policy": cfg.policy, "model": policy_spec.model}
     metrics_info = {"env": cfg.env, "policy": cfg.policy, "mode": "sync" if cfg.sync else "async"}
     figures = TrainerFigures(metrics_info)
-    fleet_figures = FleetFigures({"env": cfg.env, "envs": str(cfg.envs), "workers": str(cfg.workers)})
+    fleet_figures = FleetFigures(run_metrics.fleet_info(cfg.env, cfg.envs, cfg.workers))
     with (
         ServerProcess(policy_spec, server_cfg, log_level=log_level) as server,
         run_metrics.serving(
