@@ -124,6 +124,39 @@ def test_the_exposition_carries_each_stats_value_as_prometheus_parses_it() -> No
     assert ("edgerl_rows_total", "") in served_alone
 
 
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json"
+
+
+def dashboard_names(*, robots: bool) -> set[str]:
+    """The metric names the Grafana dashboard's queries use: those of ``edgerl robot`` or the
+    others."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    names = {name for expr in exprs for name in re.findall(r"\bedgerl_[a-z0-9_]+", expr)}
+    return {name for name in names if name.startswith("edgerl_robot_") == robots}
+
+
+def test_the_grafana_dashboard_is_one_grafana_imports() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "edgerl" and dashboard["schemaVersion"] >= 36
+    (source,) = dashboard["templating"]["list"]
+    assert (source["type"], source["query"], source["name"]) == ("datasource", "prometheus", "datasource")
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)  # Grafana keys panels by id
+    graphs = [p for p in panels if p["type"] != "row"]
+    assert len(graphs) >= 20 and {p["type"] for p in graphs} == {"timeseries"}
+    for panel in graphs:
+        where = panel["gridPos"]
+        assert where["x"] + where["w"] <= 24 and where["h"] > 0, panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(set(refs)) == len(refs), panel["title"]
+        assert all("edgerl_" in t["expr"] for t in panel["targets"]), panel["title"]
+    # no two panels on one spot: each row of the grid filled left to right
+    spots = [(p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels]
+    assert len(set(spots)) == len(spots)
+
+
 def scrape(url: str, method: str = "GET") -> tuple[int, dict[str, str], str]:
     """Status, headers and body of one HTTP request."""
     request = urllib.request.Request(url, method=method)
@@ -485,6 +518,8 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
         scrape(url)
     assert got["edgerl_sim_workers_running", ""] == 1  # the sim workers' figures
     assert 0 < got["edgerl_sim_env_steps_total", ""] <= summary["worker_steps"][0]
+    shown = dashboard_names(robots=False)  # the dashboard's other panels: all in a training run's
+    assert len(shown) >= 25 and shown <= {name for name, _ in got}, shown - {name for name, _ in got}
     # the trainer's figures are those of one update: its line in metrics.jsonl
     updates = int(got["edgerl_train_updates_total", ""])
     assert 2 <= updates <= summary["updates"] and updates <= publishes + 1  # the scrape's two parts
@@ -680,6 +715,7 @@ def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
     port, out = free_port(), tmp_path / "robot.json"
     url = f"http://127.0.0.1:{port}/metrics"
     scrapes: list[dict[tuple[str, str], float]] = []
+    seen: set[str] = set()  # the names of every sample scraped
 
     def scraper() -> None:  # the command runs on the main thread (it takes signals)
         deadline = time.monotonic() + 60
@@ -687,6 +723,7 @@ def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
             time.sleep(0.3)
             with contextlib.suppress(OSError):
                 status, _, body = scrape(url)
+                seen.update(name for name, _ in samples(body))
                 got = {
                     (s.name, s.labels.get("robot", "")): s.value
                     for f in text_string_to_metric_families(body)
@@ -717,6 +754,8 @@ def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
     assert first["edgerl_robot_stream_up", ""] == 1
     with pytest.raises(OSError):  # the command ended: its port with it
         urllib.request.urlopen(url, timeout=5)
+    shown = dashboard_names(robots=True)
+    assert len(shown) >= 6 and shown <= seen, shown - seen  # the dashboard's robot panels
 
 
 def test_edgerl_robot_with_a_taken_metrics_port_ends_before_a_robot_runs(
