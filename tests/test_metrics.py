@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -125,15 +126,37 @@ def test_the_exposition_carries_each_stats_value_as_prometheus_parses_it() -> No
 
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json"
+ALERTS = DASHBOARD.with_name("prometheus-alerts.yml")
 
 
-def dashboard_names(*, robots: bool) -> set[str]:
-    """The metric names the Grafana dashboard's queries use: those of ``edgerl robot`` or the
-    others."""
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def queried_names(*, robots: bool) -> set[str]:
+    """The metric names that the Grafana dashboard's queries and the alerting rules use: those of
+    ``edgerl robot`` or the others."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    exprs += [rule["expr"] for rule in alert_rules()]
     names = {name for expr in exprs for name in re.findall(r"\bedgerl_[a-z0-9_]+", expr)}
     return {name for name in names if name.startswith("edgerl_robot_") == robots}
+
+
+def test_the_alerting_rules_are_prometheus_rules() -> None:
+    rules = alert_rules()
+    assert len(rules) >= 8 and len({r["alert"] for r in rules}) == len(rules)
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert re.fullmatch(r"Edgerl[A-Za-z]+", rule["alert"])
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], rule["alert"]
+        assert re.fullmatch(r"\d+[smh]", rule.get("for", "0s")), rule["alert"]
+        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
+    # the robots' thresholds are the project's targets: fallbacks under 0.1 %, jitter p99 under 2 ms
+    exprs = {r["alert"]: r["expr"] for r in rules}
+    assert exprs["EdgerlRobotFallingBack"].endswith("> 0.001")
+    assert exprs["EdgerlRobotTickJitter"] == 'edgerl_robot_tick_jitter_seconds{quantile="0.99"} > 0.002'
 
 
 def test_the_grafana_dashboard_is_one_grafana_imports() -> None:
@@ -518,8 +541,8 @@ def test_edgerl_train_serves_the_learners_counters_while_it_runs(tmp_path: Path)
         scrape(url)
     assert got["edgerl_sim_workers_running", ""] == 1  # the sim workers' figures
     assert 0 < got["edgerl_sim_env_steps_total", ""] <= summary["worker_steps"][0]
-    shown = dashboard_names(robots=False)  # the dashboard's other panels: all in a training run's
-    assert len(shown) >= 25 and shown <= {name for name, _ in got}, shown - {name for name, _ in got}
+    queried = queried_names(robots=False)  # the dashboard's and alerts' others: all a training run's
+    assert len(queried) >= 25 and queried <= {name for name, _ in got}, queried - {name for name, _ in got}
     # the trainer's figures are those of one update: its line in metrics.jsonl
     updates = int(got["edgerl_train_updates_total", ""])
     assert 2 <= updates <= summary["updates"] and updates <= publishes + 1  # the scrape's two parts
@@ -754,8 +777,8 @@ def test_edgerl_robot_serves_its_robots_counters_while_it_runs(
     assert first["edgerl_robot_stream_up", ""] == 1
     with pytest.raises(OSError):  # the command ended: its port with it
         urllib.request.urlopen(url, timeout=5)
-    shown = dashboard_names(robots=True)
-    assert len(shown) >= 6 and shown <= seen, shown - seen  # the dashboard's robot panels
+    shown = queried_names(robots=True)
+    assert len(shown) >= 6 and shown <= seen, shown - seen  # the dashboard's and alerts' robot names
 
 
 def test_edgerl_robot_with_a_taken_metrics_port_ends_before_a_robot_runs(
