@@ -665,8 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_metrics_options(
         p,
-        f"{_SERVER_COUNTERS}, the learner's among them, then {_SIM_FIGURES}, then the trainer's "
-        "(edgerl_train_*: its counters and its last update's scalars, as in metrics.jsonl)",
+        f"{_SERVER_COUNTERS}, the learner's among them, then the sim workers' (edgerl_sim_*) and "
+        "the trainer's (edgerl_train_*: its counters and its last update's scalars, as in metrics.jsonl)",
         host=_LOOPBACK_WORDS,
     )
     add_json_option(p, "also write the summary as JSON")
