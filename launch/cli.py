@@ -869,26 +869,15 @@ def _fleet(a: argparse.Namespace, server: str, local_socket: str = "") -> Worker
 
 
 def _sim(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import watch
-
     if bool(a.server) == bool(a.local_socket):
         raise ValueError("sim: give one of --server ADDR (gRPC) and --local-socket PATH")
     figures = FleetFigures(run_metrics.fleet_info(a.env, a.envs, a.workers))
     metrics_host = a.metrics_host or _DEFAULT_SERVER.host
     # the metrics port first: one that is taken ends the command before a worker starts
     with run_metrics.serving(metrics_host, a.metrics_port, "", figures.exposition, _say):
-        with _fleet(a, a.server, a.local_socket) as fleet:
-            figures.attach(fleet)
-            # The server is the user's to start: its workers retry until it is up, or fail after
-            # give_up_after_s without a working stream. No limit of the command's own.
-            summary = watch(
-                fleet,
-                seconds=a.seconds,
-                steps=a.steps,
-                desc=f"{a.env} x{a.envs}",
-                start_timeout_s=None,
-                look=figures.look,
-            )
+        # The server is the user's to start: its workers retry until it is up, or fail after
+        # give_up_after_s without a working stream. No limit of the command's own.
+        summary = _watch_fleet(a, a.server, a.local_socket, figures, start_timeout_s=None)
     return _report(summary, None)
 
 
@@ -896,8 +885,23 @@ def _say(line: str) -> None:
     print(f"edgerl: {line}", flush=True)
 
 
+def _watch_fleet(
+    a: argparse.Namespace, server: str, local_socket: str, figures: FleetFigures, **options: Any
+) -> dict[str, Any]:
+    """Run the fleet of ``a`` against ``server`` (or ``local_socket``) and show its progress until
+    it is done (:func:`~edgerl.launch.rollout.watch`, given ``options``), its figures for
+    ``GET /metrics`` in ``figures``; returns the summary."""
+    from edgerl.launch.rollout import watch
+
+    with _fleet(a, server, local_socket) as fleet:
+        figures.attach(fleet)
+        return watch(
+            fleet, seconds=a.seconds, steps=a.steps, desc=f"{a.env} x{a.envs}", look=figures.look, **options
+        )
+
+
 def _rollout(a: argparse.Namespace) -> int:
-    from edgerl.launch.rollout import place, placement_summary, try_placements, watch
+    from edgerl.launch.rollout import place, placement_summary, try_placements
 
     # before the server starts (and before --place measures)
     check_fleet(
@@ -936,16 +940,7 @@ def _rollout(a: argparse.Namespace) -> int:
         with run_metrics.serving(metrics_host, a.metrics_port, server.metrics_url, figures.exposition, _say):
             tried = try_placements(a, candidates, server.address, _say)
             before = server_stats(server.address) if candidates else None
-            with _fleet(a, server.address, local) as fleet:
-                figures.attach(fleet)
-                summary = watch(
-                    fleet,
-                    seconds=a.seconds,
-                    steps=a.steps,
-                    desc=f"{a.env} x{a.envs}",
-                    check=server.check,
-                    look=figures.look,
-                )
+            summary = _watch_fleet(a, server.address, local, figures, check=server.check)
         summary["placement"] = placement_summary(a, measured, tried)
         after = server_stats(server.address)
         # after a trial, what the run added (its largest batch stays the server's largest)
