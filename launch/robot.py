@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -37,9 +38,6 @@ from edgerl.robot_client.robot import Robot, RobotKind, load_robot, robot_class
 from edgerl.robot_client.runner import LinkFaults, RobotHost, RobotLink, RobotRunnerConfig, chunk_defaults
 from edgerl.robot_client.security import ClientSecurity
 from edgerl.watchdog.watchdog import Fallback, WatchdogConfig
-
-if TYPE_CHECKING:
-    from edgerl.edge_server.metrics import MetricsThread
 
 DEFAULT_ROBOT = "edgerl.sim.robot:MujocoRobot"
 ESTOPPED_STATUS = 3
@@ -398,25 +396,21 @@ def busy_line(cpu: float | None, robots: int, hz: float, network_process: bool) 
     return busy_text("this process", cpu, robots, hz, f"run fewer robots in each process{stream}")
 
 
-def _metrics_thread(host: RobotHost, bind: str, port: int | None) -> MetricsThread | None:
-    """``GET /metrics`` of ``host`` on ``bind:port``, on a thread of its own, started (None without
-    a port).
+def _serving_metrics(host: RobotHost, bind: str, port: int | None) -> AbstractContextManager[None]:
+    """``GET /metrics`` of ``host`` on ``bind:port`` (None: nothing) for the block, on a thread of
+    its own (:func:`edgerl.launch.run_metrics.serving`).
 
     Raises:
         MetricsBindError: the port is in use, or ``bind`` is not an address of this machine.
     """
-    from edgerl.edge_server.metrics import MetricsServer, MetricsThread
-
-    if port is None:
-        return None
+    from edgerl.launch import run_metrics
 
     def render() -> str:
         return robot_exposition(host.stats(), host.stream_stats())
 
-    metrics = MetricsThread(MetricsServer(render, bind, port, "--metrics-host"))
-    metrics.start()
-    print(f"edgerl robot: metrics on {metrics.server.url}", flush=True)
-    return metrics
+    return run_metrics.serving(
+        bind, port, "", render, lambda line: print(f"edgerl robot: {line}", flush=True)
+    )
 
 
 def _estopped(host: RobotHost) -> list[RobotLink]:
@@ -477,8 +471,9 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
             else None
         )
         host = RobotHost(robots, cfg, on_tick=recorder.record if recorder else None)
+        metrics = contextlib.ExitStack()  # its GET /metrics, where asked
         try:  # before any robot runs: a port that is taken leaves them untouched
-            metrics = _metrics_thread(host, a.metrics_host or METRICS_HOST, a.metrics_port)
+            metrics.enter_context(_serving_metrics(host, a.metrics_host or METRICS_HOST, a.metrics_port))
         except OSError as exc:  # a MetricsBindError, saying why
             for robot in robots:
                 robot.close()
@@ -489,8 +484,7 @@ def run(a: argparse.Namespace, security: ClientSecurity | None = None) -> int:
         with contextlib.ExitStack() as stack:
             if recorder is not None:
                 stack.callback(recorder.close)
-            if metrics is not None:
-                stack.callback(metrics.close)
+            stack.enter_context(metrics)
             host.start(stop.is_set)
             stack.callback(host.stop)
             reset.clear()  # a reset asked for before any robot ran has nothing to reset

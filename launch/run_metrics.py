@@ -62,30 +62,22 @@ def _info(prefix: str, what: str, info: Mapping[str, str]) -> list[str]:
     return family_lines(prefix + "info", "gauge", what, [("", dict(info), 1)])
 
 
-class CommandMetrics:
-    """What a command answers on ``GET /metrics``: the exposition of its server at ``server_url``
-    (its endpoint on loopback; "": the command started none), then ``own()``'s. :meth:`render`
-    is called on the metrics thread."""
+def exposition(server_url: str, own: Callable[[], str]) -> str:
+    """A command's ``GET /metrics``: the exposition of its server at ``server_url`` (its endpoint on
+    loopback; "": the command started none), then ``own()``'s.
 
-    def __init__(self, server_url: str, own: Callable[[], str]) -> None:
-        self.server_url = server_url
-        self.own = own
-
-    def render(self) -> str:
-        """The server's exposition and the command's own.
-
-        Raises:
-            OSError: the server's endpoint did not answer in :data:`FETCH_TIMEOUT_S` (the scrape
-                gets a 500 naming why).
-        """
-        if not self.server_url:
-            return self.own()
-        try:
-            with urllib.request.urlopen(self.server_url, timeout=FETCH_TIMEOUT_S) as reply:
-                served: str = reply.read().decode()
-        except OSError as exc:
-            raise OSError(f"the server did not answer at {self.server_url}: {exc}") from exc
-        return served + self.own()
+    Raises:
+        OSError: the server's endpoint did not answer in :data:`FETCH_TIMEOUT_S` (the scrape gets
+            a 500 naming why).
+    """
+    if not server_url:
+        return own()
+    try:
+        with urllib.request.urlopen(server_url, timeout=FETCH_TIMEOUT_S) as reply:
+            served: str = reply.read().decode()
+    except OSError as exc:
+        raise OSError(f"the server did not answer at {server_url}: {exc}") from exc
+    return served + own()
 
 
 @contextlib.contextmanager
@@ -94,7 +86,7 @@ def serving(
 ) -> Iterator[None]:
     """For the block, ``GET /metrics`` on ``host:port`` (None: nothing served), on a thread of its
     own: the exposition of the server at ``server_url`` ("": none) and ``own()``'s
-    (:class:`CommandMetrics`); ``say`` is told where.
+    (:func:`exposition`, called on that thread); ``say`` is told where.
 
     Raises:
         MetricsBindError: the port is in use, or ``host`` is not an address of this machine.
@@ -102,9 +94,7 @@ def serving(
     if port is None:
         yield
         return
-    thread = MetricsThread(
-        MetricsServer(CommandMetrics(server_url, own).render, host, port, "--metrics-host")
-    )
+    thread = MetricsThread(MetricsServer(lambda: exposition(server_url, own), host, port, "--metrics-host"))
     thread.start()
     say(f"metrics on {thread.server.url}")
     try:
