@@ -39,6 +39,7 @@ from edgerl.launch.processes import (
     configure_logging,
     kept_cpus,
     other_cpus,
+    owned_by_parent,
 )
 from edgerl.proto.settings import check_finite
 from edgerl.robot_client.netproc import RESTART_DELAY_S, hung_after
@@ -166,7 +167,7 @@ def control_cpus(spec: str, processes: int, network_process: bool = True) -> lis
 
 
 def _robot_main(cfg: BenchRobotConfig, server: str, first: int, count: int, conn: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    owned_by_parent()  # stopped by its "stop" message
     configure_logging(cfg.log_level)
     from edgerl.robot_client.runner import RobotHost
     from edgerl.sim.robot import MujocoRobot

@@ -2,8 +2,9 @@
 
 Processes are spawned (never forked: torch and gRPC hold threads), the
 server reports its bound port through a pipe, and every process shuts down
-gracefully on ``stop()`` (SIGTERM for the server, a shared flag for
-workers) before being killed as a last resort.
+gracefully on ``stop()`` (:data:`OWNER_STOP` for the server, a shared flag
+for workers) before being killed as a last resort. Ctrl-C and SIGTERM are
+the command's alone (:func:`owned_by_parent`).
 """
 
 from __future__ import annotations
@@ -297,14 +298,37 @@ def build_replica(policy: PolicySpec, index: int) -> Any:
     return build_backend(policy, sampling_seed=seed)[0]
 
 
-#: How long a process whose parent died has to end after its SIGTERM before it SIGKILLs itself.
+#: How a command stops its edge server process (a graceful shutdown), and how a spawned process
+#: whose parent died stops itself. Not SIGTERM: ``timeout``, ``kill -- -PGID`` and ``systemctl
+#: stop`` send that one to every process of a command at once, and it is the command's to act on
+#: (:func:`owned_by_parent`).
+OWNER_STOP = signal.SIGUSR2
+
+#: How long a process whose parent died has to end after its :data:`OWNER_STOP` before it SIGKILLs
+#: itself.
 ORPHAN_GRACE_S = 15.0
+
+
+def owned_by_parent() -> None:
+    """Make this spawned process its parent's to stop, as multiprocessing's resource tracker is.
+
+    It ignores SIGINT and SIGTERM. A terminal's Ctrl-C, ``timeout``, ``kill -- -PGID`` and
+    ``systemctl stop`` send them to every process of a command at once, and the command answers
+    them by stopping its workers, its trainer and then its server, in that order: a server or
+    worker that ended on them at once failed the command before it was done with them (``edgerl
+    train`` ended with status 1 on "the edge server process ended"). The parent stops it
+    otherwise (the server with :data:`OWNER_STOP`, a worker through a shared flag), and it ends
+    once the parent is gone (:func:`end_with_parent`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    end_with_parent()
 
 
 def end_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
     """Have this spawned process end once the process that started it is gone, as its owner's
-    ``stop()`` would end it: SIGTERM to itself (the edge server's graceful shutdown; a sim worker
-    just ends), then SIGKILL if it is still there ``grace_s`` later. A thread waits for that on
+    ``stop()`` would end it: :data:`OWNER_STOP` to itself (the edge server's graceful shutdown; a
+    sim worker, which handles no such signal, just ends), then SIGKILL if it is still there
+    ``grace_s`` later. A thread waits for that on
     multiprocessing's parent sentinel, which reads end-of-file when the parent dies, however it
     dies. Without it the edge server and the sim workers of a command that was killed (SIGKILL:
     the OOM killer's way, which picks the largest process, often the trainer) ran on for good,
@@ -315,7 +339,7 @@ def end_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), OWNER_STOP)
         time.sleep(grace_s)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -344,9 +368,7 @@ def _server_main(
     if cpus:
         os.sched_setaffinity(0, cpus)  # before torch and gRPC start threads, which inherit it
     configure_logging(log_level)
-    # The parent owns this process: it stops it with SIGTERM; Ctrl-C in the terminal is the parent's.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    end_with_parent()
+    owned_by_parent()
 
     async def main() -> None:
         server = build_server(policy, config)
@@ -357,7 +379,7 @@ def _server_main(
                 return
         ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         ready.add_done_callback(lambda f: conn.send(Bound(f.result(), server.metrics_port)))
-        await serve_until_signal(server, ready, signals=(signal.SIGTERM,))
+        await serve_until_signal(server, ready, signals=(OWNER_STOP,))
 
     with _reported(conn.send, quiet=(*USER_ERRORS, BindError)):
         asyncio.run(main())
@@ -365,22 +387,22 @@ def _server_main(
 
 async def _standby(conn: mp.connection.Connection, go: mp.connection.Connection) -> bool:
     """Tell the parent through ``conn`` that this server is on standby, then wait for
-    :meth:`ServerProcess.activate` (True), or for SIGTERM or the parent's end of ``go`` closing
-    (False)."""
+    :meth:`ServerProcess.activate` (True), or for :data:`OWNER_STOP` or the parent's end of ``go``
+    closing (False)."""
     loop = asyncio.get_running_loop()
     woken = asyncio.Event()
     loop.add_reader(go.fileno(), woken.set)
-    loop.add_signal_handler(signal.SIGTERM, woken.set)
-    conn.send("standby")  # once SIGTERM is handled: the parent may stop it at once
+    loop.add_signal_handler(OWNER_STOP, woken.set)
+    conn.send("standby")  # once OWNER_STOP is handled: the parent may stop it at once
     await woken.wait()
     loop.remove_reader(go.fileno())
     try:
         told = bool(go.poll()) and go.recv() == "go"
     except EOFError:  # the parent is gone, or closed its end
         told = False
-    if told:  # serving: serve_until_signal takes SIGTERM over
-        loop.remove_signal_handler(signal.SIGTERM)
-    # else SIGTERM stays handled (and ignored) while the backend closes
+    if told:  # serving: serve_until_signal takes OWNER_STOP over
+        loop.remove_signal_handler(OWNER_STOP)
+    # else OWNER_STOP stays handled (and ignored) while the backend closes
     return told
 
 
@@ -523,15 +545,16 @@ class ServerProcess:
         return self.address
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful shutdown), then SIGKILL after ``timeout_s``."""
+        """:data:`OWNER_STOP` (graceful shutdown), then SIGKILL after ``timeout_s``."""
         proc, self._proc = self._proc, None
         standby = self._close_go()
         if proc is None:
             return
         if standby:  # told so by its pipe closing, it closes its backend and ends
             proc.join(timeout_s)
-        if proc.is_alive():
-            proc.terminate()
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(proc.pid, OWNER_STOP)
             proc.join(timeout_s)
         if proc.is_alive():
             log.warning("edge server did not stop within %.0fs; killing it", timeout_s)
@@ -638,12 +661,11 @@ def _run_worker(config: SimWorkerConfig, link: WorkerLink, stop: SharedFlag, log
     from edgerl.robot_client.sim_worker import SimWorker, WorkerProgress
 
     configure_logging(log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopped through the shared flag
     if config.cpus:  # before gRPC starts threads, which inherit it
         os.sched_setaffinity(0, config.cpus)
     if config.backfill:  # as the CPU affinity: every thread started later inherits it
         idle_priority()
-    end_with_parent()
+    owned_by_parent()  # stopped through the shared flag
     progress = WorkerProgress()
     worker = SimWorker(config, progress)
     link.built.set()  # its envs are built: what it waits for now is its server

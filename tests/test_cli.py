@@ -788,11 +788,14 @@ def _terminated(
     tmp_path: Path,
     ready: Callable[[str, str], bool],
     when_ready: Callable[[int], None] | None = None,
+    *,
+    group: bool = False,
 ) -> tuple[int, str]:
     """Run ``edgerl ARGS`` in a session of its own until ``ready(stdout, stderr)``, call
-    ``when_ready(pgid)`` (its process group's id), send it SIGTERM (as ``kill``, ``timeout`` and
-    ``systemctl stop`` do), and wait; its exit status and stderr. Fails the test if a process of
-    the command is left behind."""
+    ``when_ready(pgid)`` (its process group's id), send it SIGTERM (as ``kill PID`` and ``docker
+    stop`` do; with ``group``, to its whole process group, as ``timeout`` and ``kill -- -PGID`` do,
+    and ``systemctl stop`` to every process of the unit), and wait; its exit status and stderr.
+    Fails the test if a process of the command is left behind."""
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
     with out_path.open("w") as out, err_path.open("w") as err:
         proc = subprocess.Popen([*EDGERL, *args], stdout=out, stderr=err, start_new_session=True)
@@ -804,7 +807,10 @@ def _terminated(
             time.sleep(0.2)
         if when_ready is not None:
             when_ready(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
         assert wait_until(lambda: not _in_group(proc.pid), timeout_s=10), _in_group(proc.pid)  # init reaps
     finally:
@@ -839,10 +845,13 @@ def test_stop_signals_reach_the_handler_in_the_main_thread_and_nothing_is_instal
     assert seen == [before]
 
 
-def test_sigterm_stops_a_rollout_as_ctrl_c_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["command", "group"])
+def test_sigterm_stops_a_rollout_as_ctrl_c_does(group: bool, tmp_path: Path) -> None:
+    """Sent to the whole group too, its server and worker among them: they once ended on it at
+    once, the command then failing on its server gone (status 1, no summary)."""
     path = tmp_path / "rollout.json"
     args = ["rollout", "--env", "InvertedPendulum-v5", "--envs", "8", "--seconds", "0", "--json", str(path)]
-    code, err = _terminated(args, tmp_path, lambda out, err: "episodes=" in err)  # stepping
+    code, err = _terminated(args, tmp_path, lambda out, err: "episodes=" in err, group=group)  # stepping
     assert code == 0, err
     summary = json.loads(path.read_text())
     assert summary["interrupted"] is True
@@ -850,7 +859,10 @@ def test_sigterm_stops_a_rollout_as_ctrl_c_does(tmp_path: Path) -> None:
     assert "Traceback" not in err and "leaked" not in err, err  # the workers' queues were closed
 
 
-def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", [False, True], ids=["command", "group-with-its-network-process"])
+def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(group: bool, tmp_path: Path) -> None:
+    """Sent to the whole group, the network process among them, it is the command's: the robots
+    stop as on a SIGTERM to the command alone, their bag complete."""
     from edgerl.robot_client.bags import read_bag
 
     spec = env_spec("InvertedPendulum-v5")
@@ -859,7 +871,8 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(tmp_path: Pa
     with ServerThread(backend) as server:
         args = ["robot", "--server", server.address, "--robot-arg", "env=InvertedPendulum-v5",
                 "--record", str(bag), "--json", str(tmp_path / "robot.json")]  # fmt: skip
-        code, err = _terminated(args, tmp_path, lambda out, err: "edgerl robot: ticks" in out)
+        args += ["--network-process"] if group else []
+        code, err = _terminated(args, tmp_path, lambda out, err: "edgerl robot: ticks" in out, group=group)
     assert code == 0, err
     assert "Traceback" not in err, err
     ticks = json.loads((tmp_path / "robot.json").read_text())["robots"][0]["ticks"]
@@ -958,6 +971,24 @@ def test_robots_and_sim_workers_run_without_torch(tmp_path: Path, command: list[
     assert served > 0  # they streamed
     assert code == 0, err
     assert "Traceback" not in err, err
+
+
+def test_sigterm_to_its_whole_group_stops_sim_and_its_workers_as_ctrl_c_does(tmp_path: Path) -> None:
+    """``timeout`` and ``systemctl stop`` send SIGTERM to the sim workers too. The command stops
+    them, and its summary counts their steps; the workers leave the signal to it."""
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=0), spec.act_low, spec.act_high)
+    with ServerThread(backend) as server:
+        args = ["sim", "--server", server.address, "--env", "InvertedPendulum-v5", "--envs", "4"]
+        args += ["--workers", "2"]
+        code, err = _terminated(args, tmp_path, lambda out, err: "episodes=" in err, group=True)
+        assert server.server is not None
+        served = server.server.batcher.stats.rows
+    assert served > 0
+    assert code == 0, err
+    assert "Traceback" not in err and "leaked" not in err, err
+    summary = (tmp_path / "out.txt").read_text()
+    assert re.search(r"^env_steps +[1-9]", summary, re.M), summary  # its summary, after the workers stopped
 
 
 def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> None:

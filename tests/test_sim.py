@@ -26,6 +26,7 @@ from edgerl.edge_server.transitions import TransitionConfig
 from edgerl.launch.processes import (
     EPISODES_PER_MESSAGE,
     MAX_SAID_CHARS,
+    OWNER_STOP,
     PolicySpec,
     ServerLostError,
     ServerProcess,
@@ -621,22 +622,22 @@ def test_two_fleets_in_one_process_against_one_server_keep_sessions_of_their_own
     assert first.failed() == [] and second.failed() == []
 
 
-def _deaf_to_sigterm(pids: Any) -> None:
-    """A spawned process that ignores SIGTERM and ends with its parent, 0.5 s after that SIGTERM."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _deaf_to_its_stop(pids: Any) -> None:
+    """A spawned process that ignores the signal to stop and ends with its parent, 0.5 s after it."""
+    signal.signal(OWNER_STOP, signal.SIG_IGN)
     end_with_parent(grace_s=0.5)
     pids.put(os.getpid())
     time.sleep(600)
 
 
 def _parent_of_deaf(pids: Any) -> None:
-    mp.get_context("spawn").Process(target=_deaf_to_sigterm, args=(pids,)).start()
+    mp.get_context("spawn").Process(target=_deaf_to_its_stop, args=(pids,)).start()
     time.sleep(600)
 
 
-def test_a_process_whose_parent_died_ends_even_if_it_ignores_sigterm() -> None:
-    """What :func:`end_with_parent` does past its SIGTERM: a process still there ``grace_s`` later
-    (an edge server whose graceful shutdown hangs, say) is killed."""
+def test_a_process_whose_parent_died_ends_even_if_it_ignores_its_signal_to_stop() -> None:
+    """What :func:`end_with_parent` does past its signal to stop: a process still there
+    ``grace_s`` later (an edge server whose graceful shutdown hangs, say) is killed."""
     ctx = mp.get_context("spawn")
     pids = ctx.Queue()
     parent = ctx.Process(target=_parent_of_deaf, args=(pids,))  # not a daemon: it has a child
@@ -651,7 +652,7 @@ def test_a_process_whose_parent_died_ends_even_if_it_ignores_sigterm() -> None:
         wait_until(lambda: ended(pid), timeout_s=30.0, poll_s=0.02)
         took = time.monotonic() - t0
         assert ended(pid)
-        assert 0.45 < took < 10.0, took  # its SIGTERM ignored, it was killed 0.5 s later
+        assert 0.45 < took < 10.0, took  # its signal ignored, it was killed 0.5 s later
     finally:
         parent.kill()
         parent.join()

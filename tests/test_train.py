@@ -117,19 +117,40 @@ def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> No
     assert all(r["staleness/lag_max"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_or_sigterm_stops_everything_cleanly(stop: signal.Signals, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("stop", "group"),
+    [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+    ids=["ctrl-c", "sigterm", "sigterm-group"],
+)
+def test_ctrl_c_or_sigterm_stops_everything_cleanly(
+    stop: signal.Signals, group: bool, tmp_path: Path
+) -> None:
+    """Ctrl-C in a terminal reaches the command's whole process group; so does SIGTERM from
+    ``timeout`` or ``kill -- -PGID``, and ``systemctl stop`` sends it to every process of the
+    unit; ``kill PID`` and ``docker stop`` send it to the command alone. Each way the command
+    stops its workers, its trainer and its server in its own order: its server and workers once
+    ended on the group's SIGTERM, before the trainer was done with them."""
     run_dir = tmp_path / "run"
     out = tmp_path / "summary.json"
     cmd = [*EDGERL, "train", "--steps", "10000000", "--run-dir", str(run_dir), "--json", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.5)
-    proc.send_signal(stop)
-    _, err = proc.communicate(timeout=120)
+    try:
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        assert len(_spawned(proc.pid)) == 2  # its server and its worker, both sent the signal below
+        if group:
+            os.killpg(proc.pid, stop)
+        else:
+            proc.send_signal(stop)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a run that did not end: not left behind
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-2000:]
     summary = json.loads(out.read_text())
     assert summary["interrupted"] is True and summary["updates"] >= 3
