@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from edgerl.edge_server.backend import PolicyResult
 from edgerl.edge_server.service import EdgePolicyServicer
@@ -639,9 +642,95 @@ def test_the_watchdog_stops_safely_when_the_server_is_gone(client: Path) -> None
         (["--hz", "50", "--watchdog", "--refill-at", "1.5"], "--refill-at: expected a whole number, got 1.5"),
         (["--hz", "50", "--watchdog", "--estop-after", "-1"],
          "--estop-after must be a number in [0, 2147483647], got -1"),
+        (["--hz", "50", "--metrics-port", "0"],
+         "--metrics-port is an option of --watchdog, which is not given"),
+        (["--hz", "50", "--watchdog", "--metrics-host", "0.0.0.0"],
+         "--metrics-host is the address of --metrics-port, which is not given"),
+        (["--hz", "50", "--watchdog", "--metrics-port", "65536"],
+         "--metrics-port must be a number in [0, 65535], got 65536"),
+        (["--hz", "50", "--watchdog", "--metrics-port", "0", "--metrics-host", "10.255.255.1"],
+         "--metrics-port: cannot listen on 10.255.255.1:0: Cannot assign requested address"),
     ],
 )  # fmt: skip
 def test_a_bad_watchdog_option_is_refused_naming_it(client: Path, args: list[str], error: str) -> None:
     out = _run(client, "--server", "127.0.0.1:1", *args)
     assert out.returncode == 2 and out.stderr == f"edgerl_cpp_client: {error}\n", out.stderr
     assert out.stdout == ""
+
+
+def test_a_metrics_port_in_use_is_refused_before_the_server_is_asked(client: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run(client, "--server", "127.0.0.1:1", "--hz", "50", "--watchdog", "--metrics-port", str(port))
+    error = f"edgerl_cpp_client: --metrics-port: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert out.returncode == 2 and out.stderr == error, out.stderr
+    assert out.stdout == ""  # no server asked: its address has none
+
+
+def test_the_watchdog_serves_its_figures_on_metrics_as_edgerl_robot_names_them(client: Path) -> None:
+    """``--metrics-port``: the loop's and the stream's figures for Prometheus, under the names,
+    types and labels of ``edgerl robot``'s (the session's name as ``robot``), so that the
+    project's Grafana dashboard and alerting rules cover a C++ controller: each robot figure they
+    query is served. Scraped mid-run, the counters agree with each other and with the run's end."""
+    from edgerl.launch.robot import ROBOT_METRICS, ROBOT_TIMES, STREAM_METRICS
+    from tests.test_metrics import queried_names, scrape
+
+    session = 'arm "left" 1'  # a label value with quotes and spaces
+    args = ["--server", "", "--steps", "150", "--hz", "50", "--watchdog", "--session", session]
+    with ServerThread(EchoPolicy(3, 2)) as srv:
+        args[1] = srv.address
+        with subprocess.Popen(
+            [str(client), *args, "--metrics-port", "0"], stdout=subprocess.PIPE, text=True
+        ) as proc:
+            try:
+                assert proc.stdout is not None
+                first = proc.stdout.readline()
+                bound = re.fullmatch(r"metrics (http://127\.0\.0\.1:\d+/metrics)\n", first)
+                assert bound, first
+                url = bound.group(1)
+                for line in proc.stdout:
+                    if line.startswith("tick 60 "):
+                        break
+                status, headers, body = scrape(url)
+                elsewhere = scrape(url.replace("/metrics", "/other"))[0], scrape(url, "POST")[0]
+                rest = proc.stdout.read()
+                assert proc.wait(timeout=60) == 0, rest
+            finally:
+                proc.kill()
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4"), headers
+    assert elsewhere == (404, 405)
+    got: dict[str, float] = {}
+    kinds: dict[str, str] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            assert isinstance(sample, Sample)
+            robot = sample.labels.pop("robot", None)
+            assert robot == (None if sample.name.startswith("edgerl_robot_stream_") else session), sample
+            got[sample.name + "".join(f"/{v}" for v in sample.labels.values())] = sample.value
+            kinds[sample.name] = family.type
+    python = {name: kind for _, name, kind, _ in (*ROBOT_METRICS, *STREAM_METRICS)}
+    python.update({name: "gauge" for _, name, _ in ROBOT_TIMES})
+    not_here = {  # a Python robot host's own: its episodes, its shared stream, its network process
+        "edgerl_robot_episodes_total",
+        "edgerl_robot_stream_messages_total",
+        "edgerl_robot_network_restarts_total",
+    }
+    assert kinds == {name: kind for name, kind in python.items() if name not in not_here}
+    assert queried_names(robots=True) <= set(kinds)
+    summary = _summary(first + rest)
+    ticks = got["edgerl_robot_ticks_total"]
+    assert 60 <= ticks <= summary["ticks"]
+    assert ticks == got["edgerl_robot_policy_ticks_total"] + got["edgerl_robot_fallbacks_total"]
+    assert got["edgerl_robot_answers_total"] <= got["edgerl_robot_requests_total"] <= ticks
+    assert got["edgerl_robot_requests_total"] <= got["edgerl_robot_answers_total"] + 1  # one in flight
+    assert got["edgerl_robot_answers_total"] >= 50  # an echo on loopback answers in about a millisecond
+    assert got["edgerl_robot_estopped"] == got["edgerl_robot_estops_total"] == 0
+    assert got["edgerl_robot_policy_version"] == 0 and got["edgerl_robot_stream_up"] == 1
+    assert got["edgerl_robot_stream_reconnects_total"] == 0
+    for name in ("tick_jitter", "action_age", "latency"):
+        p50, p99 = got[f"edgerl_robot_{name}_seconds/0.5"], got[f"edgerl_robot_{name}_seconds/0.99"]
+        assert 0 <= p50 <= p99 < 1.0, (name, p50, p99)
+    # an action is applied at the tick after its observation: its age is at least the answer's
+    assert got["edgerl_robot_action_age_seconds/0.5"] >= got["edgerl_robot_latency_seconds/0.5"]

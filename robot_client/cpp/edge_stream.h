@@ -269,6 +269,7 @@ class ControlStream {
       fell_back_ = fell_back_ || fallback;
       if (!ask || !open_ || inflight_ || stop_) return;
       inflight_ = Request{tick, time, std::move(obs), earned_, fell_back_, requests_++};
+      ++sent_;
       earned_ = 0.0f;
       fell_back_ = false;
     }
@@ -287,6 +288,23 @@ class ControlStream {
     std::lock_guard<std::mutex> lock(mu_);
     return version_;
   }
+
+  // What /metrics tells of the stream (metrics.h).
+  struct Figures {
+    bool up = false;  // a stream is open, and the stream has not ended for good
+    int64_t reconnects = 0;  // streams that failed or could not open, and were opened again
+    int64_t requests = 0;  // observations handed to a stream (one lost with a stream: again)
+    int64_t answers = 0;  // answers handed to the watchdog
+    bool answered = false;  // an answer came: version() is the policy's
+  };
+  Figures figures() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {open_ && !failed_, reconnects_, sent_, answers_, answers_ > 0};
+  }
+
+  // The q-quantile of the time from an observation to its answer, over the last 8,192 answers
+  // (seconds; NaN before the first).
+  double LatencyQuantile(double q) const { return latency_.Quantile(q); }
 
   // End the stream (after the answer in flight, at most answer_timeout_s) and the thread.
   void Stop() {
@@ -321,6 +339,7 @@ class ControlStream {
         return;
       }
       ++reconnects;
+      reconnects_ = reconnects;
       if (say_) {
         lock.unlock();
         say_(ReconnectLine(reconnects, s));
@@ -375,10 +394,13 @@ class ControlStream {
       }
       ++seq;
       *answered = true;
-      watchdog_->Submit(Floats(resp.actions()), r.tick, r.time, resp.policy_version(), Now());
+      const double now = Now();
+      watchdog_->Submit(Floats(resp.actions()), r.tick, r.time, resp.policy_version(), now);
+      latency_.Add(now - r.time);
       std::lock_guard<std::mutex> lock(mu_);
       inflight_.reset();
       version_ = resp.policy_version();
+      ++answers_;
     }
     if (up) {  // Stop(): nothing is in flight on the wire
       call_.stream->WritesDone();
@@ -427,6 +449,7 @@ class ControlStream {
   // The network thread's own.
   ActCall call_;
   int streams_ = 0;
+  RecentWindow latency_;  // read by figures' readers too: a lock of its own
   Alarm alarm_;  // after call_: it stops before the call goes
   // Shared with the loop, under mu_.
   std::mutex mu_;
@@ -441,6 +464,7 @@ class ControlStream {
   bool fell_back_ = false;  // a fallback since the robot's last request
   uint64_t requests_ = 0;  // the robot's requests made
   uint64_t version_ = 0;
+  int64_t sent_ = 0, answers_ = 0, reconnects_ = 0;  // for figures()
   std::thread thread_;  // last: it starts once the members above are set
 };
 

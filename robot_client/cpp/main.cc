@@ -6,7 +6,8 @@
 //                     [--answer-timeout-s S] [--reconnect-s S]
 //                     [--token TOKEN] [--ca CA.pem [--cert C.pem --key K.pem]]
 //                     [--watchdog [--deadline-ms MS] [--refill-at N] [--fallback hold|zero]
-//                                 [--estop-after N] [--max-delta D]]
+//                                 [--estop-after N] [--max-delta D]
+//                                 [--metrics-port PORT [--metrics-host HOST]]]
 //
 // Each step sends one StepObservation (env 0) whose observation is a deterministic test
 // signal, obs[i] = sin(0.1 * step + i), and whose reward is what the previous step's action
@@ -19,6 +20,11 @@
 // behind a safety watchdog (watchdog.h) while a thread of its own talks to the server
 // (edgerl::ControlStream, edge_stream.h), as edgerl's robot host does (see RunWatchdog below).
 // Both headers are for any C++ controller to include. SIGUSR1 resets a latched e-stop.
+// --metrics-port answers GET /metrics on that port of --metrics-host (default 127.0.0.1; 0: a
+// free port) with the watchdog's and the stream's figures, named as `edgerl robot` names them
+// (metrics.h), so that the project's Grafana dashboard and alerting rules cover this controller.
+// It binds before anything else and prints "metrics http://HOST:PORT/metrics"; a port it cannot
+// bind ends the program with status 2, naming it.
 //
 // Where the stream breaks with UNAVAILABLE (the server restarted, the network dropped the
 // connection) or DEADLINE_EXCEEDED (an answer overdue, or the stream's hello not at the server
@@ -49,6 +55,7 @@
 
 #include "edge_stream.h"
 #include "edgerl/v1/edge.grpc.pb.h"
+#include "metrics.h"
 #include "watchdog.h"
 
 namespace {
@@ -80,6 +87,8 @@ struct Options : edgerl::StreamOptions {
   std::string fallback = "hold";  // hold | zero: what a tick without a fresh action applies
   int estop_after = 50;  // consecutive fallbacks that latch an e-stop; 0: never
   double max_delta = 0.0;  // largest change of an action entry per tick; 0: 25 % of its range
+  std::optional<int> metrics_port;  // GET /metrics on this port; 0: a free one
+  std::optional<std::string> metrics_host;  // the address it binds; default 127.0.0.1
   std::string watchdog_option;  // the first watchdog option given (refused without --watchdog)
 };
 
@@ -147,16 +156,21 @@ Options Parse(int argc, char** argv) {
     else if (a == "--fallback") o.fallback = next();
     else if (a == "--estop-after") o.estop_after = WholeNumber(a, next(), 0, 2147483647);
     else if (a == "--max-delta") o.max_delta = Number(a, next(), 0, 3.4e38);
+    else if (a == "--metrics-port") o.metrics_port = WholeNumber(a, next(), 0, 65535);
+    else if (a == "--metrics-host") o.metrics_host = next();
     else throw std::runtime_error("unknown option " + a);
     if (o.watchdog_option.empty() &&
         (a == "--deadline-ms" || a == "--refill-at" || a == "--fallback" || a == "--estop-after" ||
-         a == "--max-delta")) {
+         a == "--max-delta" || a == "--metrics-port" || a == "--metrics-host")) {
       o.watchdog_option = a;
     }
   }
   if (!(o.answer_timeout_s > 0)) throw std::runtime_error("--answer-timeout-s must be > 0");
   if (!o.watchdog && !o.watchdog_option.empty()) {
     throw std::runtime_error(o.watchdog_option + " is an option of --watchdog, which is not given");
+  }
+  if (o.metrics_host && !o.metrics_port) {
+    throw std::runtime_error("--metrics-host is the address of --metrics-port, which is not given");
   }
   if (o.watchdog && !(o.hz > 0)) throw std::runtime_error("--watchdog needs --hz > 0 (the control rate)");
   if (o.deadline_ms && !(*o.deadline_ms > 0)) throw std::runtime_error("--deadline-ms must be > 0");
@@ -217,7 +231,7 @@ class Printer {
 // ticks=<n> policy_ticks=<n> fallbacks=<n> late_actions=<n> loop_deadline_misses=<n>
 // estops=<n> version=<v>".
 int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, StubFactory stubs,
-                int64_t obs_dim) {
+                int64_t obs_dim, edgerl::MetricsServer* metrics) {
   const auto& space = info.action_space();
   int64_t act_dim = 1;
   for (int64_t d : space.shape()) act_dim *= d;
@@ -248,6 +262,28 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
                                [&out](const std::string& line) { out.Say(line); });
   std::signal(SIGUSR1, AskReset);
   const double period = 1.0 / o.hz;
+  edgerl::RecentWindow jitter, age;  // how late each tick ran, the age of its policy action (s)
+  if (metrics != nullptr) {
+    metrics->SetRender([&o, &watchdog, &stream, &jitter, &age] {
+      edgerl::RobotFigures f;
+      f.robot = o.session;
+      f.watchdog = watchdog->stats();
+      f.estopped = watchdog->estopped();
+      const edgerl::ControlStream::Figures s = stream.figures();
+      f.policy_version = s.answered ? static_cast<int64_t>(stream.version()) : -1;
+      f.tick_jitter_p50_s = jitter.Quantile(0.5);
+      f.tick_jitter_p99_s = jitter.Quantile(0.99);
+      f.action_age_p50_s = age.Quantile(0.5);
+      f.action_age_p99_s = age.Quantile(0.99);
+      f.latency_p50_s = stream.LatencyQuantile(0.5);
+      f.latency_p99_s = stream.LatencyQuantile(0.99);
+      f.stream_up = s.up;
+      f.reconnects = s.reconnects;
+      f.requests = s.requests;
+      f.answers = s.answers;
+      return edgerl::RobotExposition(f);
+    });
+  }
   const double t0 = Now();
   grpc::Status failure;
   bool failed = false;
@@ -261,6 +297,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       i += skip;
       if (i >= o.steps) break;
     }
+    jitter.Add(now - (t0 + i * period));
     if (!failed && stream.Failed(&failure)) {
       failed = true;
       watchdog->Estop();
@@ -278,6 +315,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       }
     }
     const edgerl::Tick t = watchdog->Step(i, now);
+    if (!t.fallback()) age.Add(t.age_s);
     std::ostringstream line;
     line << "tick " << i << ' ' << edgerl::TickKindName(t.kind);
     if (t.fallback()) {
@@ -297,6 +335,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
     if (failed && watchdog->at_stop_action()) break;  // stopped safely: nothing more to do
   }
   stream.Stop();
+  if (metrics != nullptr) metrics->SetRender(nullptr);  // before the watchdog and stream go
   if (failed) return Fail(failure);
   const edgerl::WatchdogStats st = watchdog->stats();
   std::cout << "OK ticks=" << st.ticks << " policy_ticks=" << st.policy_ticks << " fallbacks=" << st.fallbacks
@@ -314,6 +353,19 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "edgerl_cpp_client: " << e.what() << std::endl;
     return 2;
+  }
+  std::unique_ptr<edgerl::MetricsServer> metrics;
+  if (o.metrics_port) {  // before anything else, as `edgerl robot` binds before its robots run
+    const std::string host = o.metrics_host.value_or("127.0.0.1");
+    try {
+      metrics = std::make_unique<edgerl::MetricsServer>(host, *o.metrics_port);
+    } catch (const std::exception& e) {
+      std::cerr << "edgerl_cpp_client: --metrics-port: " << e.what() << std::endl;
+      return 2;
+    }
+    const bool v6 = host.find(':') != std::string::npos;
+    std::cout << "metrics http://" << (v6 ? "[" + host + "]" : host) << ':' << metrics->port()
+              << "/metrics" << std::endl;
   }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!o.ca.empty()) {
@@ -347,7 +399,7 @@ int main(int argc, char** argv) {
   std::cout << "server " << info.server_version() << " backend " << info.backend() << " env "
             << info.env_name() << " obs_dim " << obs_dim << " act_dim "
             << info.action_space().shape(0) << " version " << info.policy_version() << std::endl;
-  if (o.watchdog) return RunWatchdog(o, info, stubs, obs_dim);
+  if (o.watchdog) return RunWatchdog(o, info, stubs, obs_dim, metrics.get());
 
   // The Act stream: hello first, then one step per loop iteration. A stream after the first
   // resumes the session: the envs are mid-episode, and the request left unanswered goes again.

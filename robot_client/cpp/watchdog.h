@@ -270,4 +270,40 @@ class Watchdog {
   WatchdogStats stats_;
 };
 
+// The last `capacity` values of a figure (as `edgerl robot` keeps 8,192 of each), for its
+// quantiles. Thread-safe: one thread adds (a control loop, a stream), another reads (metrics.h).
+class RecentWindow {
+ public:
+  explicit RecentWindow(std::size_t capacity = 8192) : values_(capacity) {}
+
+  void Add(double v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_[next_] = v;
+    next_ = (next_ + 1) % values_.size();
+    count_ = std::min(count_ + 1, values_.size());
+  }
+
+  // The q-quantile (q in [0, 1]) of the values held, interpolated linearly between the two
+  // nearest (numpy's default, as `edgerl robot` reports); NaN where none is held.
+  double Quantile(double q) const {
+    std::vector<double> held;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held.assign(values_.begin(), values_.begin() + static_cast<std::ptrdiff_t>(count_));
+    }
+    if (held.empty()) return std::numeric_limits<double>::quiet_NaN();
+    std::sort(held.begin(), held.end());
+    const double at = q * static_cast<double>(held.size() - 1);
+    const auto below = static_cast<std::size_t>(std::floor(at));
+    const std::size_t above = std::min(below + 1, held.size() - 1);
+    return held[below] + (held[above] - held[below]) * (at - static_cast<double>(below));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::vector<double> values_;
+  std::size_t next_ = 0;
+  std::size_t count_ = 0;
+};
+
 }  // namespace edgerl
