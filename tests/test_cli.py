@@ -991,6 +991,51 @@ def test_sigterm_to_its_whole_group_stops_sim_and_its_workers_as_ctrl_c_does(tmp
     assert re.search(r"^env_steps +[1-9]", summary, re.M), summary  # its summary, after the workers stopped
 
 
+def test_a_rollout_whose_reader_goes_away_runs_to_its_end_and_writes_its_json(tmp_path: Path) -> None:
+    """``edgerl rollout --json F 2>&1 | head -1``: the reader gone after one line, the command
+    once ended with ``edgerl: error: [Errno 32] Broken pipe`` at its next write, status 1 and
+    no ``F``."""
+    path = tmp_path / "rollout.json"
+    args = ["rollout", "--env", "InvertedPendulum-v5", "--envs", "2", "--seconds", "3", "--json", str(path)]
+    with subprocess.Popen([*EDGERL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(b"edgerl: edge server on ")
+        proc.stdout.close()
+        assert proc.wait(timeout=120) == 0
+    summary = json.loads(path.read_text())
+    assert summary["env_steps"] > 0 and summary["interrupted"] is False
+
+
+def test_edgerl_robot_runs_on_when_the_reader_of_its_output_goes_away(tmp_path: Path) -> None:
+    """``edgerl robot | head -1`` (or a ``tee`` or log shipper that ends): its robots run on, where
+    the command once ended their run at its next status line, 2 s later, on a broken pipe."""
+    spec = env_spec("InvertedPendulum-v5")
+    backend = TorchPolicyBackend(build_policy("mlp-small", 4, 1, seed=0), spec.act_low, spec.act_high)
+    path = tmp_path / "robot.json"
+    with ServerThread(backend) as server:
+        args = [
+            "robot",
+            "--server",
+            server.address,
+            "--robot-arg",
+            "env=InvertedPendulum-v5",
+            "--json",
+            str(path),
+        ]
+        with subprocess.Popen([*EDGERL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            first = proc.stdout.readline().decode()
+            ticks = re.match(r"edgerl robot: ticks (\d+) ", first)
+            assert ticks, first
+            proc.stdout.close()
+            time.sleep(5.0)  # two status lines more, into no reader
+            assert proc.poll() is None, proc.stderr.read().decode()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    ran = json.loads(path.read_text())["robots"][0]["ticks"]
+    assert ran >= int(ticks.group(1)) + 200  # 5 s more at 50 Hz, less a margin
+
+
 def test_sim_waits_for_its_server_says_so_and_stops_at_once(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_port()}"
     # Each connection attempt may take 60 s: the stop must not wait for one.
