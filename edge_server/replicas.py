@@ -284,10 +284,11 @@ def _serve(conn: Connection) -> None:
 
 if __name__ == "__main__":
     # The server owns this process and closes it (its "close" message, or its end of the pipe
-    # closing). Ctrl-C, and the SIGTERM that `timeout` or `systemctl stop` send to every process of
-    # the server's command, are the server's: it finishes its batches on this replica first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # closing). Ctrl-C, a terminal's hangup and the SIGTERM that `timeout` or `systemctl stop` send
+    # to every process of the server's command are the server's: it finishes its batches on this
+    # replica first.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING)
     # run as the module, not as __main__, so that what it sends unpickles in the server
     from edgerl.edge_server import replicas

@@ -47,6 +47,7 @@ from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
     LOCAL_SOCKET_NAME,
+    STOP_SIGNALS,
     USER_ERRORS,
     PolicySpec,
     ServerLostError,
@@ -62,6 +63,7 @@ from edgerl.launch.processes import (
     on_stop_signals,
     other_cpus,
     server_stats,
+    start_resource_tracker,
 )
 from edgerl.launch.rollout import PLACE_RULE, PLACE_TRIAL
 from edgerl.launch.run_metrics import FleetFigures
@@ -303,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         formatter_class=_FMT,
         help="run the edge server",
-        description="Serve a policy on gRPC until SIGINT/SIGTERM (graceful shutdown).",
+        description="Serve a policy on gRPC until SIGINT, SIGTERM or SIGHUP (graceful shutdown).",
     )
     p.add_argument(
         "--env", help=f"gymnasium id whose spaces the policy serves (default: {DEFAULT_ENV}{_OR_CHECKPOINTS})"
@@ -825,6 +827,7 @@ def _serve(a: argparse.Namespace) -> int:
         await serve_until_signal(
             server,
             ready,
+            STOP_SIGNALS,
             report_every_s=a.stats_every_s,
             report=lambda line: print(f"edgerl: {line}", flush=True),
         )
@@ -1064,12 +1067,18 @@ _COMMANDS = {
 _BENCHES = {"throughput": _bench_throughput, "learn": _bench_learn, "robot": _bench_robot}
 
 
+#: The commands that start processes through multiprocessing (its resource tracker with them).
+_SPAWNING = ("sim", "rollout", "train", "bench")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_metrics_options(parser, args)
     configure_logging(args.log_level)
     command = _BENCHES[args.bench] if args.command == "bench" else _COMMANDS[args.command]
+    if args.command in _SPAWNING:
+        start_resource_tracker()
     try:
         # SIGTERM stops a command as Ctrl-C does, its servers and workers shut down cleanly
         with on_stop_signals(signal.default_int_handler):

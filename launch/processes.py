@@ -77,8 +77,11 @@ def configure_logging(level: str = "WARNING") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""Ctrl-C, and what ``kill``, ``timeout``, ``systemctl stop`` and ``docker stop`` send."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, what ``kill``, ``timeout``, ``systemctl stop`` and ``docker stop`` send, and the
+hangup of the command's terminal (an SSH session that drops): the command stops as on Ctrl-C
+(``edgerl robot`` closes its bag, ``edgerl train`` writes its checkpoint), where a hangup ended
+it at once."""
 
 
 @contextlib.contextmanager
@@ -97,9 +100,28 @@ def on_signals(signals: Iterable[int], handler: Callable[[int, Any], Any]) -> It
             signal.signal(sig, old)
 
 
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker, if it is not running yet, deaf to a terminal's
+    hangup as it is to SIGINT and SIGTERM. Ignored here while the tracker starts, SIGHUP stays
+    ignored in it: else the hangup that stops a command as Ctrl-C does (:data:`STOP_SIGNALS`)
+    ended the tracker, which the command's next queue or process started again, printing
+    multiprocessing's traceback of a resource it did not know. Call it before the command
+    spawns anything, in the main thread."""
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        resource_tracker.ensure_running()
+        return
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def on_stop_signals(handler: Callable[[int, Any], Any]) -> contextlib.AbstractContextManager[None]:
-    """Call ``handler`` on SIGINT and SIGTERM in this block (:func:`on_signals`): a command
-    stopped either way stops as cleanly as on Ctrl-C."""
+    """Call ``handler`` on each of :data:`STOP_SIGNALS` in this block (:func:`on_signals`): a
+    command stopped any of these ways stops as cleanly as on Ctrl-C."""
     return on_signals(STOP_SIGNALS, handler)
 
 
@@ -312,15 +334,15 @@ ORPHAN_GRACE_S = 15.0
 def owned_by_parent() -> None:
     """Make this spawned process its parent's to stop, as multiprocessing's resource tracker is.
 
-    It ignores SIGINT and SIGTERM. A terminal's Ctrl-C, ``timeout``, ``kill -- -PGID`` and
-    ``systemctl stop`` send them to every process of a command at once, and the command answers
+    It ignores :data:`STOP_SIGNALS`. A terminal's Ctrl-C and hangup, ``timeout``, ``kill --
+    -PGID`` and ``systemctl stop`` send them to every process of a command at once, and the command answers
     them by stopping its workers, its trainer and then its server, in that order: a server or
     worker that ended on them at once failed the command before it was done with them (``edgerl
     train`` ended with status 1 on "the edge server process ended"). The parent stops it
     otherwise (the server with :data:`OWNER_STOP`, a worker through a shared flag), and it ends
     once the parent is gone (:func:`end_with_parent`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     end_with_parent()
 
 

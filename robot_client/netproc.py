@@ -301,11 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     # this process started (blocked since `spawn`), then let through again.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
-    # So are Ctrl-C and the SIGTERM of `timeout` or `systemctl stop`, sent to every process of the
-    # command: the robot host answers them by stopping its robots, then this process (its socket
-    # closing), which carries their last requests meanwhile.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # So are Ctrl-C, a terminal's hangup and the SIGTERM of `timeout` or `systemctl stop`, sent to
+    # every process of the command: the robot host answers them by stopping its robots, then this
+    # process (its socket closing), which carries their last requests meanwhile.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_main(sock))
     return 0
 

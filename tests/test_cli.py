@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pty
 import re
 import signal
 import socket
@@ -790,12 +791,14 @@ def _terminated(
     when_ready: Callable[[int], None] | None = None,
     *,
     group: bool = False,
+    sig: signal.Signals = signal.SIGTERM,
 ) -> tuple[int, str]:
     """Run ``edgerl ARGS`` in a session of its own until ``ready(stdout, stderr)``, call
-    ``when_ready(pgid)`` (its process group's id), send it SIGTERM (as ``kill PID`` and ``docker
-    stop`` do; with ``group``, to its whole process group, as ``timeout`` and ``kill -- -PGID`` do,
-    and ``systemctl stop`` to every process of the unit), and wait; its exit status and stderr.
-    Fails the test if a process of the command is left behind."""
+    ``when_ready(pgid)`` (its process group's id), send it ``sig`` (SIGTERM: as ``kill PID`` and
+    ``docker stop`` do; with ``group``, to its whole process group, as ``timeout`` and ``kill --
+    -PGID`` do, and ``systemctl stop`` to every process of the unit; SIGHUP with ``group``: as a
+    terminal that hangs up does), and wait; its exit status and stderr. Fails the test if a
+    process of the command is left behind."""
     out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
     with out_path.open("w") as out, err_path.open("w") as err:
         proc = subprocess.Popen([*EDGERL, *args], stdout=out, stderr=err, start_new_session=True)
@@ -808,9 +811,9 @@ def _terminated(
         if when_ready is not None:
             when_ready(proc.pid)
         if group:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, sig)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         code = proc.wait(timeout=60)
         assert wait_until(lambda: not _in_group(proc.pid), timeout_s=10), _in_group(proc.pid)  # init reaps
     finally:
@@ -859,10 +862,18 @@ def test_sigterm_stops_a_rollout_as_ctrl_c_does(group: bool, tmp_path: Path) -> 
     assert "Traceback" not in err and "leaked" not in err, err  # the workers' queues were closed
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["command", "group-with-its-network-process"])
-def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(group: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("group", "sig"),
+    [(False, signal.SIGTERM), (True, signal.SIGTERM), (True, signal.SIGHUP)],
+    ids=["command", "group-with-its-network-process", "hangup-with-its-network-process"],
+)
+def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(
+    group: bool, sig: signal.Signals, tmp_path: Path
+) -> None:
     """Sent to the whole group, the network process among them, it is the command's: the robots
-    stop as on a SIGTERM to the command alone, their bag complete."""
+    stop as on a SIGTERM to the command alone, their bag complete. So they do where the
+    terminal hangs up (an SSH session that drops), where the command once ended at once, its
+    bag left without its metadata."""
     from edgerl.robot_client.bags import read_bag
 
     spec = env_spec("InvertedPendulum-v5")
@@ -872,7 +883,9 @@ def test_sigterm_stops_edgerl_robot_cleanly_and_its_bag_is_complete(group: bool,
         args = ["robot", "--server", server.address, "--robot-arg", "env=InvertedPendulum-v5",
                 "--record", str(bag), "--json", str(tmp_path / "robot.json")]  # fmt: skip
         args += ["--network-process"] if group else []
-        code, err = _terminated(args, tmp_path, lambda out, err: "edgerl robot: ticks" in out, group=group)
+        code, err = _terminated(
+            args, tmp_path, lambda out, err: "edgerl robot: ticks" in out, group=group, sig=sig
+        )
     assert code == 0, err
     assert "Traceback" not in err, err
     ticks = json.loads((tmp_path / "robot.json").read_text())["robots"][0]["ticks"]
@@ -989,6 +1002,33 @@ def test_sigterm_to_its_whole_group_stops_sim_and_its_workers_as_ctrl_c_does(tmp
     assert "Traceback" not in err and "leaked" not in err, err
     summary = (tmp_path / "out.txt").read_text()
     assert re.search(r"^env_steps +[1-9]", summary, re.M), summary  # its summary, after the workers stopped
+
+
+@pytest.mark.parametrize("reader", ["pipe", "terminal"])
+def test_a_stream_whose_reader_is_gone_goes_on_into_dev_null(reader: str) -> None:
+    """A pipe whose reader closed (EPIPE) or a terminal that hung up (EIO): the stream, and what
+    it held, go to /dev/null, the command's writes go on. Another error is the command's."""
+    from edgerl.launch.entry import ReaderSafe
+
+    theirs, ours = os.pipe() if reader == "pipe" else pty.openpty()
+    with os.fdopen(ours, "w") as stream:
+        safe = ReaderSafe(stream)
+        safe.write("before\n")
+        safe.flush()
+        assert not safe.reader_gone and os.readlink(f"/proc/self/fd/{ours}") != os.devnull
+        os.close(theirs)
+        assert safe.write("after\n") == 6  # held in the stream's buffer
+        safe.flush()
+        assert safe.reader_gone and os.readlink(f"/proc/self/fd/{ours}") == os.devnull
+        print("and on", file=safe, flush=True)
+        assert safe.closed is False  # the stream's own attributes
+    full = open("/dev/full", "w")  # noqa: SIM115 - a full disk under a redirect
+    safe = ReaderSafe(full)
+    safe.write("x")
+    with pytest.raises(OSError, match="No space left on device"):
+        safe.flush()
+    with contextlib.suppress(OSError):  # its close flushes "x" again
+        full.close()
 
 
 def test_a_rollout_whose_reader_goes_away_runs_to_its_end_and_writes_its_json(tmp_path: Path) -> None:
