@@ -3,8 +3,8 @@
 Processes are spawned (never forked: torch and gRPC hold threads), the
 server reports its bound port through a pipe, and every process shuts down
 gracefully on ``stop()`` (:data:`OWNER_STOP` for the server, a shared flag
-for workers) before being killed as a last resort. Ctrl-C and SIGTERM are
-the command's alone (:func:`owned_by_parent`).
+for workers) before being killed as a last resort. Ctrl-C, SIGTERM and a
+terminal's hangup are the command's alone (:func:`owned_by_parent`).
 """
 
 from __future__ import annotations
@@ -335,12 +335,12 @@ def owned_by_parent() -> None:
     """Make this spawned process its parent's to stop, as multiprocessing's resource tracker is.
 
     It ignores :data:`STOP_SIGNALS`. A terminal's Ctrl-C and hangup, ``timeout``, ``kill --
-    -PGID`` and ``systemctl stop`` send them to every process of a command at once, and the command answers
-    them by stopping its workers, its trainer and then its server, in that order: a server or
-    worker that ended on them at once failed the command before it was done with them (``edgerl
-    train`` ended with status 1 on "the edge server process ended"). The parent stops it
-    otherwise (the server with :data:`OWNER_STOP`, a worker through a shared flag), and it ends
-    once the parent is gone (:func:`end_with_parent`)."""
+    -PGID`` and ``systemctl stop`` send them to every process of a command at once, and the
+    command answers them by stopping its workers, its trainer and then its server, in that
+    order: a server or worker that ended on them at once failed the command before it was done
+    with them (``edgerl train`` ended with status 1 on "the edge server process ended"). The
+    parent stops it otherwise (the server with :data:`OWNER_STOP`, a worker through a shared
+    flag), and it ends once the parent is gone (:func:`end_with_parent`)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     end_with_parent()
@@ -350,11 +350,11 @@ def end_with_parent(grace_s: float = ORPHAN_GRACE_S) -> None:
     """Have this spawned process end once the process that started it is gone, as its owner's
     ``stop()`` would end it: :data:`OWNER_STOP` to itself (the edge server's graceful shutdown; a
     sim worker, which handles no such signal, just ends), then SIGKILL if it is still there
-    ``grace_s`` later. A thread waits for that on
-    multiprocessing's parent sentinel, which reads end-of-file when the parent dies, however it
-    dies. Without it the edge server and the sim workers of a command that was killed (SIGKILL:
-    the OOM killer's way, which picks the largest process, often the trainer) ran on for good,
-    orphans, a worker at a full core. Does nothing in a process that was not spawned."""
+    ``grace_s`` later. A thread waits for that on multiprocessing's parent sentinel, which reads
+    end-of-file when the parent dies, however it dies. Without it the edge server and the sim
+    workers of a command that was killed (SIGKILL: the OOM killer's way, which picks the largest
+    process, often the trainer) ran on for good, orphans, a worker at a full core. Does nothing
+    in a process that was not spawned."""
     parent = mp.parent_process()
     if parent is None:
         return
