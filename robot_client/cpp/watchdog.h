@@ -274,7 +274,10 @@ class Watchdog {
 // quantiles. Thread-safe: one thread adds (a control loop, a stream), another reads (metrics.h).
 class RecentWindow {
  public:
-  explicit RecentWindow(std::size_t capacity = 8192) : values_(capacity) {}
+  // Throws std::invalid_argument where capacity is 0.
+  explicit RecentWindow(std::size_t capacity = 8192) : values_(capacity) {
+    if (capacity == 0) throw std::invalid_argument("RecentWindow: capacity must be > 0");
+  }
 
   void Add(double v) {
     std::lock_guard<std::mutex> lock(mu_);

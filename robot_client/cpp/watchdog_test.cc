@@ -199,6 +199,26 @@ void BadSettingsAreRefusedNamingThem() {
   refused("stop_action", [] { Watchdog({-1}, {1}, Config(), {std::numeric_limits<float>::infinity()}); });
 }
 
+// RecentWindow's quantiles are numpy's (linear interpolation), over the last `capacity` values.
+void AWindowsQuantilesAreNumpysOverItsLastValues() {
+  edgerl::RecentWindow window(10);
+  Check(std::isnan(window.Quantile(0.5)), "an empty window's quantile is NaN");
+  window.Add(3.0);
+  Check(window.Quantile(0.5) == 3.0 && window.Quantile(0.99) == 3.0, "one value is every quantile");
+  for (int v = 1; v <= 12; ++v) window.Add(v);  // holds 3..12: the first three are overwritten
+  // numpy.percentile(range(3, 13), [50, 99]) = [7.5, 11.91]
+  Check(window.Quantile(0.5) == 7.5, "p50 of 3..12");
+  Check(std::fabs(window.Quantile(0.99) - 11.91) < 1e-12, "p99 of 3..12");
+  Check(window.Quantile(0.0) == 3.0 && window.Quantile(1.0) == 12.0, "p0 and p100 of 3..12");
+  bool refused = false;
+  try {
+    edgerl::RecentWindow none(0);
+  } catch (const std::invalid_argument&) {
+    refused = true;
+  }
+  Check(refused, "a window of no value is refused");
+}
+
 }  // namespace
 
 int main() {
@@ -210,6 +230,7 @@ int main() {
   TheZeroFallbackRampsToZero();
   ConsecutiveFallbacksLatchAnEstopUntilReset();
   BadSettingsAreRefusedNamingThem();
+  AWindowsQuantilesAreNumpysOverItsLastValues();
   if (failures) {
     std::cout << failures << " of " << checks << " checks failed" << std::endl;
     return 1;
