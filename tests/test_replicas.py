@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
-from edgerl.launch.processes import OWNER_STOP, PolicySpec, ServerProcess, build_backend, build_replica
+from edgerl.launch.processes import (
+    OWNER_STOP,
+    STOP_SIGNALS,
+    PolicySpec,
+    ServerProcess,
+    build_backend,
+    build_replica,
+)
 from edgerl.robot_client.client import EdgeClient
 from tests.helpers import (
     ServerThread,
@@ -203,18 +210,18 @@ def test_edgerl_serve_with_replicas_serves_and_stops_them_on_sigint() -> None:
         assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # stopped with the server
 
 
-def test_replicas_leave_ctrl_c_and_sigterm_to_their_server() -> None:
-    """Ctrl-C, and the SIGTERM of ``timeout`` or ``systemctl stop``, reach every process of
-    ``edgerl serve --replicas N`` at once. The server answers them by finishing its running
-    batches, on its replicas, then closing them: a replica that ended on the signal at once failed
-    those batches."""
+def test_replicas_leave_ctrl_c_sigterm_and_a_hangup_to_their_server() -> None:
+    """Ctrl-C, a terminal's hangup, and the SIGTERM of ``timeout`` or ``systemctl stop``, reach
+    every process of ``edgerl serve --replicas N`` at once. The server answers them by finishing
+    its running batches, on its replicas, then closing them: a replica that ended on the signal at
+    once failed those batches."""
     backend, _ = build_backend(PolicySpec("InvertedPendulum-v5", "mlp-small", replicas=2))
     assert isinstance(backend, ReplicatedBackend)
     procs = [r.proc for r in backend._replicas]
     try:
         for proc in procs:
-            proc.send_signal(signal.SIGINT)
-            proc.send_signal(signal.SIGTERM)
+            for sig in STOP_SIGNALS:
+                proc.send_signal(sig)
         time.sleep(0.5)
         assert [proc.poll() for proc in procs] == [None, None]
         obs = np.zeros((3, 4), np.float32)
@@ -229,8 +236,8 @@ def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str)
     """The robot bench's spare server waits built and warm; stopped before it is activated (the
     bench interrupted, or its outage cut short) it closes its backend: here the replica processes,
     for a vLLM backend its engine and weights folder. So it does on the signal it sends itself once
-    its parent is gone; the SIGTERM a process manager sends every process of the bench is the
-    bench's, and the server and its replicas wait for it."""
+    its parent is gone; the SIGTERM a process manager sends every process of the bench (or
+    Ctrl-C, or a hangup) is the bench's, and the server and its replicas wait for it."""
     server = ServerProcess(PolicySpec("InvertedPendulum-v5", "mlp-small", replicas=2))
     server.start(standby=True)
     proc = server._proc
@@ -239,7 +246,8 @@ def test_a_standby_server_stopped_before_activation_closes_its_backend(how: str)
         assert len(replicas) == 2
         if how == "signal":
             for pid in (proc.pid, *replicas):
-                os.kill(pid, signal.SIGTERM)
+                for sig in STOP_SIGNALS:
+                    os.kill(pid, sig)
             proc.join(1.0)
             assert proc.exitcode is None and all(Path(f"/proc/{r}").exists() for r in replicas)
             os.kill(proc.pid, OWNER_STOP)
