@@ -34,6 +34,7 @@ from edgerl.edge_server.server import ServerConfig
 from edgerl.launch.machine import BUSY_CORES, CpuMeter, SpeedProbe, busy_text
 from edgerl.launch.processes import (
     LLM_PRESET,
+    OwnedProcess,
     PolicySpec,
     ServerProcess,
     configure_logging,
@@ -247,7 +248,7 @@ class _Fleet:
         self.conns: list[multiprocessing.connection.Connection] = []
         for lo, hi in itertools.pairwise(robot_bounds(cfg)):
             parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_robot_main, args=(cfg, server, lo, hi - lo, child), daemon=True)
+            p = OwnedProcess(target=_robot_main, args=(cfg, server, lo, hi - lo, child), daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(parent)

@@ -331,6 +331,20 @@ OWNER_STOP = signal.SIGUSR2
 ORPHAN_GRACE_S = 15.0
 
 
+class OwnedProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process of a command, which leaves SIGTERM to the command
+    (:func:`owned_by_parent`): :meth:`terminate` sends it :data:`OWNER_STOP` instead, the edge
+    server's graceful stop and a sim worker's end. multiprocessing ends a command's daemonic
+    processes with it at exit, where the command did not stop them itself (a command stopped
+    while it waited for its server to start); with SIGTERM, which they ignore, the command's exit
+    waited for them for good."""
+
+    def terminate(self) -> None:
+        if self.pid is not None and self.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(self.pid, OWNER_STOP)
+
+
 def owned_by_parent() -> None:
     """Make this spawned process its parent's to stop, as multiprocessing's resource tracker is.
 
@@ -529,7 +543,7 @@ class ServerProcess:
             config = dataclasses.replace(config, port=self.port, metrics_port=metrics_port)
         parent, child = _CTX.Pipe(duplex=False)
         go_recv, self._go = _CTX.Pipe(duplex=False) if standby else (None, None)
-        self._proc = _CTX.Process(
+        self._proc = OwnedProcess(
             target=_server_main,
             args=(self.policy, config, child, self.log_level),
             kwargs={"go": go_recv, "cpus": self.cpus},
@@ -539,10 +553,14 @@ class ServerProcess:
         self._proc.start()
         child.close()
         self._ready = parent
-        if standby:
-            self._expect("standby")
-            return self.address
-        return self._wait_bound()
+        try:
+            if standby:
+                self._expect("standby")
+                return self.address
+            return self._wait_bound()
+        except BaseException:  # Ctrl-C or SIGTERM while it starts, too: it is stopped, not left
+            self.stop()
+            raise
 
     def activate(self) -> str:
         """Bind a standby server (see :meth:`start`)."""
@@ -574,9 +592,8 @@ class ServerProcess:
             return
         if standby:  # told so by its pipe closing, it closes its backend and ends
             proc.join(timeout_s)
-        if proc.is_alive() and proc.pid is not None:
-            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-                os.kill(proc.pid, OWNER_STOP)
+        if proc.is_alive():
+            proc.terminate()  # OWNER_STOP
             proc.join(timeout_s)
         if proc.is_alive():
             log.warning("edge server did not stop within %.0fs; killing it", timeout_s)
@@ -908,17 +925,21 @@ class WorkerFleet:
         return configs
 
     def start(self) -> None:
-        for i, wcfg in enumerate(self._configs()):
-            link = WorkerLink()
-            proc = _CTX.Process(
-                target=_worker_main,
-                args=(wcfg, link, self._stop, self.log_level),
-                name=f"edgerl-sim-{i}",
-                daemon=True,
-            )
-            proc.start()
-            self._links.append(link)
-            self._procs.append(proc)
+        try:
+            for i, wcfg in enumerate(self._configs()):
+                link = WorkerLink()
+                proc = OwnedProcess(
+                    target=_worker_main,
+                    args=(wcfg, link, self._stop, self.log_level),
+                    name=f"edgerl-sim-{i}",
+                    daemon=True,
+                )
+                proc.start()
+                self._links.append(link)
+                self._procs.append(proc)
+        except BaseException:  # Ctrl-C or SIGTERM among the starts: those started are stopped
+            self.stop()
+            raise
 
     def total_steps(self) -> int:
         return sum(self.worker_steps())

@@ -986,6 +986,58 @@ def test_robots_and_sim_workers_run_without_torch(tmp_path: Path, command: list[
     assert "Traceback" not in err, err
 
 
+def _spawned_in(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that multiprocessing spawned (not its resource tracker)."""
+    spawned = []
+    for pid in _in_group(pgid):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                spawned.append(pid)
+    return spawned
+
+
+def _ignoring_sigterm(pids: list[int]) -> bool:
+    """Whether one of ``pids`` ignores SIGTERM (its ``SigIgn`` mask in /proc)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text()
+            mask = re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M)
+            if mask and int(mask.group(1), 16) >> (signal.SIGTERM - 1) & 1:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["command", "group"])
+def test_a_rollout_stopped_while_its_server_starts_ends_at_once_and_leaves_nothing(
+    group: bool, tmp_path: Path
+) -> None:
+    """SIGTERM while the command waits for its server process to bind: it stops that process
+    and ends with status 130. Its server, which leaves SIGTERM to the command, once outlived
+    the command's wait, and multiprocessing's exit, which ends such a process with SIGTERM, then
+    waited for it for good."""
+    args = ["rollout", "--env", "InvertedPendulum-v5", "--envs", "2", "--seconds", "0"]
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen([*EDGERL, *args], stdout=out, stderr=err, start_new_session=True)
+    try:
+        # the server process once it ignores SIGTERM: it has yet to import torch and build its
+        # policy, a second or more, before it binds
+        assert wait_until(lambda: _ignoring_sigterm(_spawned_in(proc.pid)), timeout_s=60, poll_s=0.01)
+        assert "edge server on" not in out_path.read_text()  # not bound yet
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert wait_until(lambda: not _in_group(proc.pid), timeout_s=10), _in_group(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err_text = err_path.read_text()
+    assert code == 130 and err_text.rstrip().endswith("edgerl: interrupted"), err_text
+    assert "Traceback" not in err_text, err_text
+
+
 def test_sigterm_to_its_whole_group_stops_sim_and_its_workers_as_ctrl_c_does(tmp_path: Path) -> None:
     """``timeout`` and ``systemctl stop`` send SIGTERM to the sim workers too. The command stops
     them, and its summary counts their steps; the workers leave the signal to it."""
