@@ -122,16 +122,16 @@ def test_sync_mode_has_no_lag_and_resume_keeps_the_version(tmp_path: Path) -> No
     [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGHUP, True)],
     ids=["ctrl-c", "sigterm", "sigterm-group", "hangup"],
 )
-def test_ctrl_c_or_sigterm_stops_everything_cleanly(
+def test_ctrl_c_sigterm_or_a_hangup_stops_everything_cleanly(
     stop: signal.Signals, group: bool, tmp_path: Path
 ) -> None:
     """Ctrl-C in a terminal reaches the command's whole process group, and so does SIGHUP where
-    the terminal hangs up (an SSH session that drops: the command once ended at once, its
+    the terminal hangs up (an SSH session that drops: the command once ended at once, its final
     checkpoint unwritten); so does SIGTERM from ``timeout`` or ``kill -- -PGID``, and ``systemctl
     stop`` sends it to every process of the unit; ``kill PID`` and ``docker stop`` send it to the
-    command alone. Each way the command
-    stops its workers, its trainer and its server in its own order: its server and workers once
-    ended on the group's SIGTERM, before the trainer was done with them."""
+    command alone. Each way the command stops its workers, its trainer and its server in its own
+    order: its server and workers once ended on the group's SIGTERM, before the trainer was done
+    with them."""
     run_dir = tmp_path / "run"
     out = tmp_path / "summary.json"
     cmd = [*EDGERL, "train", "--steps", "10000000", "--run-dir", str(run_dir), "--json", str(out)]
