@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgerl.edge_server.backend import PolicyBackend, PolicyResult
+from edgerl.watchdog.sched import leave_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +287,7 @@ if __name__ == "__main__":
     # closing). Ctrl-C, a terminal's hangup and the SIGTERM that `timeout` or `systemctl stop` send
     # to every process of the server's command are the server's: it finishes its batches on this
     # replica first.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    leave_stop_signals()
     logging.basicConfig(level=logging.WARNING)
     # run as the module, not as __main__, so that what it sends unpickles in the server
     from edgerl.edge_server import replicas

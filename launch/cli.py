@@ -47,7 +47,6 @@ from edgerl.launch.processes import (
     LLM_DTYPES,
     LLM_PRESET,
     LOCAL_SOCKET_NAME,
-    STOP_SIGNALS,
     USER_ERRORS,
     PolicySpec,
     ServerLostError,
@@ -75,6 +74,7 @@ from edgerl.robot_client import errors
 from edgerl.robot_client.security import TOKEN_ENV, ClientSecurity, with_env_token
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.trainer.runfiles import RunFilesError
+from edgerl.watchdog.sched import STOP_SIGNALS
 from edgerl.watchdog.watchdog import Fallback
 
 

@@ -36,7 +36,13 @@ from edgerl.proto.settings import UNIX_PATH_MAX, check_finite
 from edgerl.robot_client.keeper import host_session_id
 from edgerl.robot_client.sim_worker import SimWorkerConfig
 from edgerl.sim.episodes import EpisodeLog
-from edgerl.watchdog.sched import idle_priority, no_wakeup_preemption, thread_ids
+from edgerl.watchdog.sched import (
+    STOP_SIGNALS,
+    idle_priority,
+    leave_stop_signals,
+    no_wakeup_preemption,
+    thread_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +81,6 @@ def configure_logging(level: str = "WARNING") -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # vLLM configures its own loggers (INFO by default) when it is imported.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""Ctrl-C, what ``kill``, ``timeout``, ``systemctl stop`` and ``docker stop`` send, and the
-hangup of the command's terminal (an SSH session that drops): the command stops as on Ctrl-C
-(``edgerl robot`` closes its bag, ``edgerl train`` writes its checkpoint), where a hangup ended
-it at once."""
 
 
 @contextlib.contextmanager
@@ -355,8 +354,7 @@ def owned_by_parent() -> None:
     with them (``edgerl train`` ended with status 1 on "the edge server process ended"). The
     parent stops it otherwise (the server with :data:`OWNER_STOP`, a worker through a shared
     flag), and it ends once the parent is gone (:func:`end_with_parent`)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    leave_stop_signals()
     end_with_parent()
 
 

@@ -51,7 +51,7 @@ from edgerl.proto.frames import (
 from edgerl.robot_client import errors
 from edgerl.robot_client.client import Actions
 from edgerl.robot_client.keeper import StreamKeeper, StreamSettings, concat_rows
-from edgerl.watchdog.sched import for_each_thread
+from edgerl.watchdog.sched import for_each_thread, leave_stop_signals
 
 RESTART_DELAY_S = 1.0
 """Network processes of one robot host or sim worker start at least this long apart (seconds): a
@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     # So are Ctrl-C, a terminal's hangup and the SIGTERM of `timeout` or `systemctl stop`, sent to
     # every process of the command: the robot host answers them by stopping its robots, then this
     # process (its socket closing), which carries their last requests meanwhile.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    leave_stop_signals()
     asyncio.run(_main(sock))
     return 0
 

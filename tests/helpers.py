@@ -309,6 +309,17 @@ def child_pids(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The children of process ``pid`` that multiprocessing spawned (a command's server and
+    workers; not its resource tracker)."""
+    spawned = []
+    for child in child_pids(pid):
+        with contextlib.suppress(OSError):  # ended meanwhile
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                spawned.append(child)
+    return spawned
+
+
 def ended(pid: int) -> bool:
     """Whether process ``pid`` has ended (a zombie that its new parent has not reaped has)."""
     try:

@@ -35,6 +35,7 @@ from tests.helpers import (
     file_size_limited,
     free_port,
     serving,
+    spawned_children,
     wait_until,
 )
 
@@ -986,16 +987,6 @@ def test_robots_and_sim_workers_run_without_torch(tmp_path: Path, command: list[
     assert "Traceback" not in err, err
 
 
-def _spawned_in(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that multiprocessing spawned (not its resource tracker)."""
-    spawned = []
-    for pid in _in_group(pgid):
-        with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                spawned.append(pid)
-    return spawned
-
-
 def _ignoring_sigterm(pids: list[int]) -> bool:
     """Whether one of ``pids`` ignores SIGTERM (its ``SigIgn`` mask in /proc)."""
     for pid in pids:
@@ -1022,7 +1013,7 @@ def test_a_rollout_stopped_while_its_server_starts_ends_at_once_and_leaves_nothi
     try:
         # the server process once it ignores SIGTERM: it has yet to import torch and build its
         # policy, a second or more, before it binds
-        assert wait_until(lambda: _ignoring_sigterm(_spawned_in(proc.pid)), timeout_s=60, poll_s=0.01)
+        assert wait_until(lambda: _ignoring_sigterm(spawned_children(proc.pid)), timeout_s=60, poll_s=0.01)
         assert "edge server on" not in out_path.read_text()  # not bound yet
         if group:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -18,13 +18,13 @@ import torch
 from edgerl.edge_server.replicas import ReplicaError, ReplicatedBackend
 from edgerl.launch.processes import (
     OWNER_STOP,
-    STOP_SIGNALS,
     PolicySpec,
     ServerProcess,
     build_backend,
     build_replica,
 )
 from edgerl.robot_client.client import EdgeClient
+from edgerl.watchdog.sched import STOP_SIGNALS
 from tests.helpers import (
     ServerThread,
     act_once,

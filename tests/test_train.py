@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 
 from edgerl.launch.train import RunConfig, load_config
-from tests.helpers import EDGERL, check_machine_block, child_pids, ended, file_size_limited, wait_until
+from tests.helpers import (
+    EDGERL,
+    check_machine_block,
+    child_pids,
+    ended,
+    file_size_limited,
+    spawned_children,
+    wait_until,
+)
 
 
 def _train(args: list[str], tmp_path: Path, name: str) -> dict[str, Any]:
@@ -144,7 +152,7 @@ def test_ctrl_c_sigterm_or_a_hangup_stops_everything_cleanly(
         while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
             time.sleep(0.5)
-        assert len(_spawned(proc.pid)) == 2  # its server and its worker, both sent the signal below
+        assert len(spawned_children(proc.pid)) == 2  # its server and its worker, both sent the signal below
         if group:
             os.killpg(proc.pid, stop)
         else:
@@ -158,12 +166,6 @@ def test_ctrl_c_sigterm_or_a_hangup_stops_everything_cleanly(
     assert summary["interrupted"] is True and summary["updates"] >= 3
     assert (run_dir / "checkpoints" / "latest.pt").exists()
     assert "Traceback" not in err
-
-
-def _spawned(pid: int) -> list[int]:
-    """The child processes of ``pid`` that multiprocessing spawned (its server and workers; not
-    its resource tracker)."""
-    return [c for c in child_pids(pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
 
 
 def _listens(pid: int) -> bool:
@@ -196,7 +198,7 @@ def _started_run(command: str, run_dir: Path) -> subprocess.Popen[str]:
     def started() -> bool:
         if command == "train":
             return metrics.exists() and metrics.read_text().count("\n") >= 3
-        if len(_spawned(proc.pid)) < 2:
+        if len(spawned_children(proc.pid)) < 2:
             return False
         time.sleep(3.0)  # its worker stepping for a while
         return True
@@ -223,7 +225,7 @@ def test_a_server_or_worker_killed_mid_run_ends_it_saying_so_with_a_checkpoint_t
     run_dir = tmp_path / "run"
     proc = _started_run(command, run_dir)
     try:
-        children = _spawned(proc.pid)
+        children = spawned_children(proc.pid)
         servers = [c for c in children if _listens(c)]
         assert len(servers) == 1 and len(children) == 2, (children, servers)  # one server, one worker
         worker = next(c for c in children if c not in servers)
@@ -254,7 +256,7 @@ def test_a_run_killed_leaves_no_process_behind(command: str, tmp_path: Path) -> 
     proc = _started_run(command, tmp_path / "run")
     try:
         children = child_pids(proc.pid)
-        assert len(_spawned(proc.pid)) == 2 and len(children) == 3, children  # and the tracker
+        assert len(spawned_children(proc.pid)) == 2 and len(children) == 3, children  # and the tracker
         proc.kill()
         proc.wait()  # not its output: the processes left hold its pipes open
         wait_until(lambda: all(ended(c) for c in children), timeout_s=30.0)
@@ -341,7 +343,7 @@ def test_a_publish_that_fails_ends_the_run_in_one_line_with_a_checkpoint_to_go_o
         if version == 3 and fault == "refused":
             version = 0  # version 0 is served
         elif version == 3:
-            (server,) = [c for c in _spawned(os.getpid()) if _listens(c)]
+            (server,) = [c for c in spawned_children(os.getpid()) if _listens(c)]
             os.kill(server, signal.SIGKILL)
         return real(stub, state, version, **kwargs)
 
@@ -357,7 +359,7 @@ def test_a_publish_that_fails_ends_the_run_in_one_line_with_a_checkpoint_to_go_o
     assert said == f"edgerl: error: {failure}{hint}"
     assert [m["charts/policy_version"] for m in _metrics(run_dir)] == [1, 2]
     assert (run_dir / "checkpoints" / "latest.pt").exists()
-    assert _spawned(os.getpid()) == []  # its server and worker processes were stopped
+    assert spawned_children(os.getpid()) == []  # its server and worker processes were stopped
 
 
 def test_a_resumed_run_keeps_its_own_config_but_for_what_is_given_again(tmp_path: Path) -> None:

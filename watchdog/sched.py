@@ -1,4 +1,5 @@
-"""Linux scheduling policies for threads, set best effort.
+"""Linux scheduling policies for threads, set best effort; and the stop signals a process
+leaves to the process that started it.
 
 The control loop's thread asks for ``SCHED_FIFO`` (see :mod:`edgerl.watchdog.loop`); the helpers
 here serve the threads around it: an inference thread that must not preempt the event loop's
@@ -11,7 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, what ``kill``, ``timeout``, ``systemctl stop`` and ``docker stop`` send, and the
+hangup of a command's terminal (an SSH session that drops). A command stops on each as on
+Ctrl-C; the processes it starts ignore them (:func:`leave_stop_signals`)."""
+
+
+def leave_stop_signals() -> None:
+    """Ignore :data:`STOP_SIGNALS` in this process, which the process that started it stops in its
+    own way (a message, a flag, a socket closing, a signal of its own). A terminal's Ctrl-C and
+    hangup, ``timeout``, ``kill -- -PGID`` and ``systemctl stop`` send them to every process of a
+    command at once: they are the command's, which stops its processes in its order."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
 
 __all__ = ["for_each_thread", "idle_priority", "no_wakeup_preemption", "thread_ids"]
 

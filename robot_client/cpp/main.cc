@@ -297,7 +297,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       i += skip;
       if (i >= o.steps) break;
     }
-    jitter.Add(now - (t0 + i * period));
+    if (metrics != nullptr) jitter.Add(now - (t0 + i * period));  // for /metrics alone
     if (!failed && stream.Failed(&failure)) {
       failed = true;
       watchdog->Estop();
@@ -315,7 +315,7 @@ int RunWatchdog(const Options& o, const edgerl::v1::DescribeResponse& info, Stub
       }
     }
     const edgerl::Tick t = watchdog->Step(i, now);
-    if (!t.fallback()) age.Add(t.age_s);
+    if (metrics != nullptr && !t.fallback()) age.Add(t.age_s);
     std::ostringstream line;
     line << "tick " << i << ' ' << edgerl::TickKindName(t.kind);
     if (t.fallback()) {
